@@ -1,0 +1,90 @@
+"""Command-line flags shared by the training scripts, and how they override the YAML config."""
+import argparse
+import os
+import sys
+
+import torch
+
+from utils.errors import UserError
+
+AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits with code 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def training_parser(description):
+    parser = ArgumentParser(description=description)
+    add = parser.add_argument
+    add("--run_num", type=str, default="00", help="tag for the experiment (leaf folder of the run directory)")
+    add("--yaml_config", type=str, default="./config/ViT.yaml", help="YAML file of named configs")
+    add("--config", type=str, default="base", help="name of the config inside the YAML file")
+    # None below means "keep the YAML value"; every flag can switch a YAML value in either direction
+    add("--amp_mode", type=str, default=None, choices=list(AMP_DTYPES), help="mixed precision")
+    add("--enable_fused", action=argparse.BooleanOptionalAction, default=None, help="fused Adam kernels")
+    add("--enable_jit", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    add("--local_batch_size", type=int, default=None, help="per-rank batch; sets global = ranks x local")
+    add("--num_iters", type=int, default=None, help="total training iterations")
+    add("--num_data_workers", type=int, default=None, help="data loader worker processes")
+    add("--data_loader_config", type=str, default=None, help="data loader: pytorch")
+    add("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size in MB")
+    add("--disable_broadcast_buffers", action="store_true",
+        help="DDP without buffer broadcast, gradients as bucket views")
+    add("--noddp", action="store_true", help="no DDP wrapper even when distributed (no gradient sync)")
+    add("--data_dir", type=str, default=os.environ.get("DATA_DIR"),
+        help="re-root the config's /data paths here (default: $DATA_DIR)")
+    add("--expdir", type=str, default=None, help="root of the run directories (config: expdir)")
+    add("--checkpoint_interval", type=int, default=None,
+        help="iterations between checkpoints; 0: only at the end")
+    add("--resume", type=str, default=None,
+        help="checkpoint to resume from (default: the run directory's own checkpoint, if any)")
+    add("--stop_at_iter", type=int, default=None,
+        help="stop after this iteration, checkpointed, as if the job hit its time limit")
+    add("--profile_epoch", type=int, default=3, help="0-based epoch of the cudaProfilerApi window")
+    add("--profile_iters", type=int, default=None, help="iterations in the profiler window (default: the epoch)")
+    return parser
+
+
+def reroot(path, data_root, data_dir):
+    """`data_root/x` -> `data_dir/x`; paths outside data_root are kept."""
+    if data_dir and path and data_root and (path == data_root or path.startswith(data_root.rstrip("/") + "/")):
+        return os.path.join(data_dir, os.path.relpath(path, data_root))
+    return path
+
+
+def apply_overrides(params, args, dp_size, dp_rank):
+    """Write the flags that were given into params; derive batch sizes, AMP dtype, data paths and shards."""
+    for key in ("amp_mode", "enable_fused", "enable_jit", "num_iters", "num_data_workers",
+                "data_loader_config", "expdir", "checkpoint_interval"):
+        value = getattr(args, key)
+        if value is not None:
+            params[key] = value
+
+    if params.amp_mode not in AMP_DTYPES:
+        raise UserError(f"amp_mode '{params.amp_mode}' is unknown; choose one of: {', '.join(AMP_DTYPES)}")
+    params.update({"amp_enabled": params.amp_mode != "none", "amp_dtype": AMP_DTYPES[params.amp_mode]})
+
+    if params.num_iters < 1:
+        raise UserError(f"num_iters is {params.num_iters}; it must be at least 1")
+    if args.local_batch_size is not None:
+        if args.local_batch_size < 1:
+            raise UserError(f"--local_batch_size is {args.local_batch_size}; it must be at least 1")
+        params.local_batch_size = args.local_batch_size
+        params.global_batch_size = dp_size * args.local_batch_size
+    elif params.global_batch_size % dp_size or params.global_batch_size < dp_size:
+        raise UserError(f"Error, cannot evenly distribute {params.global_batch_size} across {dp_size} GPU. "
+                        "Choose a global_batch_size divisible by the number of data-parallel ranks, "
+                        "or set --local_batch_size")
+    else:
+        params.local_batch_size = params.global_batch_size // dp_size
+
+    for key in list(params.params):
+        if key.endswith("_path") and isinstance(params[key], str):
+            params[key] = reroot(params[key], params.get("data_root"), args.data_dir)
+    params.data_num_shards = dp_size
+    params.data_shard_id = dp_rank

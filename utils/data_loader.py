@@ -1,0 +1,132 @@
+"""PyTorch loader for ERA5 yearly HDF5 files: (x(t), x(t+dt)) pairs, normalised per channel."""
+import glob
+import logging
+import os
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from utils.errors import UserError
+
+SAMPLE_DATA_HINT = ("generate sample data with `python -m utils.sample_data era5 --out data/era5` "
+                    "and pass --data_dir data/era5")
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through (resume at the same data position)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        """Order of `epoch`; the first `skip` of this rank's samples are left out."""
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+
+def _load_stats(path, n_channels):
+    if not os.path.isfile(path):
+        raise UserError(f"statistics file '{path}' not found; {SAMPLE_DATA_HINT}")
+    stats = np.load(path).astype(np.float32)
+    if stats.shape != (1, n_channels, 1, 1):
+        raise UserError(f"statistics file '{path}' has shape {stats.shape}, expected "
+                        f"(1, {n_channels}, 1, 1): one value per channel")
+    return stats[0]
+
+
+class ERA5Dataset(Dataset):
+    """Index i -> year i // T, step i % T; pairs never cross a year (the tutorial's boundary rule)."""
+
+    def __init__(self, params, location, train):
+        self.dt = params.dt
+        self.n_channels = params.n_in_channels
+        self.img_h, self.img_w = params.img_size
+        if params.n_out_channels != params.n_in_channels:
+            raise UserError("n_in_channels and n_out_channels must be equal for ERA5 "
+                            "(input and target are the same fields)")
+        if not os.path.isdir(location):
+            raise UserError(f"data directory '{location}' does not exist; {SAMPLE_DATA_HINT}")
+        self.files_paths = sorted(glob.glob(os.path.join(location, "*.h5")))
+        if not self.files_paths:
+            raise UserError(f"data directory '{location}' holds no .h5 files; {SAMPLE_DATA_HINT}")
+
+        logging.info(f"Getting file stats from {self.files_paths[0]}")
+        for path in self.files_paths:
+            self.n_samples_per_year = self._check_file(path, first=(path == self.files_paths[0]))
+        logging.info(f"Number of samples per year: {self.n_samples_per_year}")
+        if self.n_samples_per_year <= 2 * self.dt:
+            raise UserError(f"files in '{location}' hold {self.n_samples_per_year} time steps, "
+                            f"too few for dt={self.dt}")
+
+        self.n_samples_total = len(self.files_paths) * self.n_samples_per_year
+        limit = params.limit_nsamples if train else params.limit_nsamples_val
+        if limit is not None and limit < self.n_samples_total:
+            self.n_samples_total = int(limit)
+            logging.info(f"Overriding total number of samples to: {self.n_samples_total}")
+        self.means = _load_stats(params.global_means_path, self.n_channels)
+        self.stds = _load_stats(params.global_stds_path, self.n_channels)
+        self.files = [None] * len(self.files_paths)  # opened lazily, once per worker process
+        logging.info(f"Found data at path {location}. Number of examples: {self.n_samples_total}. "
+                     f"Image Shape: {self.img_h} x {self.img_w} x {self.n_channels}")
+
+    def _check_file(self, path, first):
+        with h5py.File(path, "r") as f:
+            if "fields" not in f:
+                raise UserError(f"HDF5 file '{path}' has no dataset 'fields'; ERA5 files hold "
+                                "fields of shape (T, channels, H, W)")
+            shape = f["fields"].shape
+        if len(shape) != 4 or shape[1] != self.n_channels:
+            raise UserError(f"HDF5 file '{path}' has fields of shape {shape}; expected "
+                            f"(T, {self.n_channels}, H, W) with {self.n_channels} channels")
+        if shape[2] < self.img_h or shape[3] < self.img_w:
+            raise UserError(f"HDF5 file '{path}' has images of {shape[2]} x {shape[3]}, smaller than "
+                            f"img_size {self.img_h} x {self.img_w}; lower img_size in the config")
+        if not first and shape[0] != self.n_samples_per_year:
+            raise UserError(f"HDF5 file '{path}' has {shape[0]} time steps but "
+                            f"'{self.files_paths[0]}' has {self.n_samples_per_year}; all years "
+                            "must have the same length")
+        return shape[0]
+
+    def __len__(self):
+        return self.n_samples_total
+
+    def _read(self, year_idx, step):
+        if self.files[year_idx] is None:
+            self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
+        return self.files[year_idx][step, :, :self.img_h, :self.img_w]
+
+    def __getitem__(self, global_idx):
+        year_idx, local_idx = divmod(global_idx, self.n_samples_per_year)
+        # inputs lie in [dt, T - dt): both x(t) and x(t+dt) sit inside the year's file
+        local_idx = local_idx % (self.n_samples_per_year - self.dt)
+        if local_idx < self.dt:
+            local_idx += self.dt
+        inp = (self._read(year_idx, local_idx) - self.means) / self.stds
+        tar = (self._read(year_idx, local_idx + self.dt) - self.means) / self.stds
+        return torch.from_numpy(inp), torch.from_numpy(tar)
+
+
+def get_data_loader(params, location, train):
+    """(loader, dataset, sampler) for one split, sharded over the data-parallel ranks."""
+    dataset = ERA5Dataset(params, location, train)
+    if len(dataset) < params.local_batch_size * params.data_num_shards:
+        raise UserError(f"'{location}' has {len(dataset)} samples, fewer than one global batch of "
+                        f"{params.local_batch_size * params.data_num_shards}; lower the batch size")
+    # always a sampler, also on one rank: the shuffle order is then a function of (seed, epoch)
+    sampler = ResumableSampler(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
+                               shuffle=train, seed=params.seed, drop_last=train)
+    workers = params.num_data_workers
+    loader = DataLoader(dataset, batch_size=params.local_batch_size, sampler=sampler,
+                        num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
+                        persistent_workers=workers > 0, worker_init_fn=_seed_worker)
+    return loader, dataset, sampler
+
+
+def _seed_worker(worker_id):
+    np.random.seed(torch.initial_seed() % (2**32 - 1))

@@ -1,0 +1,54 @@
+"""FLOPs per sample (counted once with torch.utils.flop_counter) and the peak they are measured against."""
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# dense datasheet peaks in FLOP/s: (bf16/fp16, tf32, fp32)
+GPU_PEAKS = {
+    "A100": (312e12, 156e12, 19.5e12),
+    "H100": (989e12, 494e12, 67e12),
+    "H200": (989e12, 494e12, 67e12),
+}
+
+
+def train_flops_per_sample(build_model, params, sample_shape):
+    """FLOPs of forward + backward for one sample of `sample_shape`, counted on the meta device."""
+    with torch.device("meta"):
+        model = build_model(params)
+        inp = torch.empty((1, *sample_shape))
+    with FlopCounterMode(display=False) as counter:
+        model(inp).float().sum().backward()
+    return counter.get_total_flops()
+
+
+def measure_matmul_peak(device, dtype=torch.float32, size=2048, seconds=0.5):
+    """FLOP/s of a large square matmul on `device`: the practical peak for CPUs and unknown GPUs."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def peak_flops(device, dtype):
+    """(peak FLOP/s, where it comes from): the datasheet for known GPUs, else a measured matmul."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for gpu, (half, tf32, fp32) in GPU_PEAKS.items():
+            if gpu in name:
+                if dtype in (torch.float16, torch.bfloat16):
+                    return half, f"{gpu} datasheet {dtype}"
+                if torch.backends.cuda.matmul.allow_tf32:
+                    return tf32, f"{gpu} datasheet tf32"
+                return fp32, f"{gpu} datasheet fp32"
+    return measure_matmul_peak(device, dtype), f"measured {dtype} matmul on {device.type}"

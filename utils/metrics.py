@@ -1,0 +1,32 @@
+"""Validation metrics: latitude-weighted RMSE for ERA5 maps."""
+import torch
+
+
+def lat_weights(num_lat, device=None):
+    """(1, 1, num_lat, 1) weights prop. to cos(latitude), mean 1; rows span +90 .. -90 degrees."""
+    lat = torch.linspace(90.0, -90.0, num_lat, device=device, dtype=torch.float64)
+    cos_lat = torch.cos(torch.deg2rad(lat)).clamp(min=0.0)  # exact pi: no negative pole weights
+    return (num_lat * cos_lat / cos_lat.sum()).float().view(1, 1, num_lat, 1)
+
+
+def weighted_rmse_channels(pred, target):
+    """(B, C): sqrt of the latitude-weighted mean over (H, W) of the squared error."""
+    weight = lat_weights(pred.shape[2], device=pred.device)
+    return torch.sqrt(torch.mean(weight * (pred.float() - target.float()) ** 2, dim=(-1, -2)))
+
+
+def weighted_rmse(pred, target):
+    """(C,): weighted RMSE per channel, averaged over the batch."""
+    return torch.mean(weighted_rmse_channels(pred, target), dim=0)
+
+
+def era5_valid_metrics(pred, target):
+    """Per-sample values to average over the validation set, keyed by TensorBoard tag."""
+    return {"RMSE(u10m)/valid": weighted_rmse_channels(pred, target)[:, 0]}
+
+
+def get_valid_metrics(params):
+    """fn(pred, target) -> {tag: (B,) tensor}: extra validation metrics for the config's model."""
+    if params.get("model", "vit") == "vit":
+        return era5_valid_metrics
+    return lambda pred, target: {}
