@@ -1,21 +1,12 @@
 """Command-line flags shared by the training scripts, and how they override the YAML config."""
 import argparse
 import os
-import sys
 
 import torch
 
-from utils.errors import UserError
+from utils.errors import ArgumentParser, UserError
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage dump) and exits with code 2."""
-
-    def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def training_parser(description):

@@ -1,4 +1,5 @@
 """User mistakes end in one clear line and a non-zero exit, never a traceback."""
+import argparse
 import functools
 import sys
 
@@ -19,3 +20,11 @@ def exit_on_user_error(main):
             sys.exit(2)
 
     return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits with code 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
