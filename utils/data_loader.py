@@ -122,9 +122,12 @@ def get_data_loader(params, location, train):
     sampler = ResumableSampler(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
                                shuffle=train, seed=params.seed, drop_last=train)
     workers = params.num_data_workers
+    # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
+    # follows the same sequence as an uninterrupted one
     loader = DataLoader(dataset, batch_size=params.local_batch_size, sampler=sampler,
                         num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
-                        persistent_workers=workers > 0, worker_init_fn=_seed_worker)
+                        persistent_workers=workers > 0, worker_init_fn=_seed_worker,
+                        generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
     return loader, dataset, sampler
 
 

@@ -22,21 +22,35 @@ def train_flops_per_sample(build_model, params, sample_shape):
     return counter.get_total_flops()
 
 
-def measure_matmul_peak(device, dtype=torch.float32, size=2048, seconds=0.5):
-    """FLOP/s of a large square matmul on `device`: the practical peak for CPUs and unknown GPUs."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm-up
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+def measure_matmul_peak(device, dtype=torch.float32, seconds=0.5, max_size=4096):
+    """FLOP/s of a square matmul on `device`: the practical peak for CPUs and unknown GPUs.
+
+    The size doubles until one matmul takes 20 ms (large enough to be compute bound, small enough to
+    stay quick where a dtype is emulated, like bf16 on CPUs without native support).
+    """
+
+    def time_one(a, b):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         torch.matmul(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+        return time.perf_counter() - start
+
+    generator = torch.Generator(device).manual_seed(0)  # leaves the global RNG (dropout, resume) alone
+    size = 256
+    while True:
+        a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+        torch.matmul(a, b)  # warm-up
+        if time_one(a, b) > 0.02 or size >= max_size:
+            break
+        size *= 2
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        best = max(best, 2 * size**3 / time_one(a, b))
     return best
 
 

@@ -1,0 +1,38 @@
+"""Shared fixtures: small generated ERA5 data and a way to run train.py in-process or as a command."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from utils.sample_data import write_era5  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def era5_dir(tmp_path_factory):
+    """Default-size sample data (32 x 64, 2 train years, 1 valid, 1 test), generated once per session."""
+    out = tmp_path_factory.mktemp("era5")
+    write_era5(out, verbose=False)
+    return str(out)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_command(args, nproc=1, timeout=600):
+    """Run train.py (or a module) as a real command; nproc > 1 goes through torchrun with gloo."""
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                     "--master_port", str(free_port())]
+    return subprocess.run(launcher + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)

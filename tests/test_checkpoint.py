@@ -1,0 +1,98 @@
+"""Checkpoints: resume equals an uninterrupted run, writes are atomic, foreign checkpoints are refused.
+
+A failure points to utils/checkpoint.py or the resume logic in train.py (data position, RNG, scheduler).
+"""
+import os
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train
+import utils.checkpoint
+from tests.conftest import REPO_ROOT
+from utils.checkpoint import load_checkpoint, save_checkpoint
+from utils.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def dropout_yaml(tmp_path):
+    """`tiny` with dropout on, so the resumed run must also restore the RNG to match."""
+    path = tmp_path / "dropout.yaml"
+    original = open(os.path.join(REPO_ROOT, "config", "ViT.yaml")).read()
+    path.write_text(original.replace("tiny:\n  <<: *demo\n", "tiny:\n  <<: *demo\n  dropout: 0.1\n"))
+    return str(path)
+
+
+def run(era5_dir, expdir, yaml, *flags):
+    train.main(["--yaml_config", yaml, "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
+                "--num_iters", "80", "--num_data_workers", "2", *flags])
+    run_dir = os.path.join(str(expdir), "tiny", "1GPU", "00")
+    events = EventAccumulator(os.path.join(run_dir, "logs"))
+    events.Reload()
+    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False), events
+
+
+def test_resume_equals_uninterrupted(era5_dir, tmp_path):
+    """40 + 40 iterations with a restart (mid-epoch: 64 steps per epoch) == 80 in one go."""
+    yaml = dropout_yaml(tmp_path)
+    whole, whole_events = run(era5_dir, tmp_path / "whole", yaml)
+    first, _ = run(era5_dir, tmp_path / "split", yaml, "--stop_at_iter", "40")
+    assert first["iteration"] == 40
+    resumed, resumed_events = run(era5_dir, tmp_path / "split", yaml)  # same run dir: resumes by itself
+    assert resumed["iteration"] == whole["iteration"] == 80
+    for name, weight in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][name], weight, atol=1e-6, rtol=0, msg=name)
+    assert resumed["optimizer"]["param_groups"][0]["lr"] == pytest.approx(whole["optimizer"]["param_groups"][0]["lr"])
+    assert resumed["scheduler"]["last_epoch"] == whole["scheduler"]["last_epoch"] == 80
+    for tag in ("Loss/valid", "Loss/train"):
+        assert resumed_events.Scalars(tag)[-1].step == whole_events.Scalars(tag)[-1].step == 80
+        assert resumed_events.Scalars(tag)[-1].value == pytest.approx(whole_events.Scalars(tag)[-1].value, abs=1e-6)
+
+
+def test_resume_without_dropout_rng_would_differ(era5_dir, tmp_path):
+    """The comparison above can fail: restarting from scratch instead of resuming gives other weights."""
+    yaml = dropout_yaml(tmp_path)
+    whole, _ = run(era5_dir, tmp_path / "whole", yaml)
+    short, _ = run(era5_dir, tmp_path / "short", yaml, "--num_iters", "40")
+    diff = max((whole["model"][k] - short["model"][k]).abs().max().item() for k in whole["model"])
+    assert diff > 1e-4
+
+
+def test_interrupted_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoints" / "ckpt.pt")
+    save_checkpoint(path, {"iteration": 1, "weights": torch.arange(10.0)})
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # killed mid-write
+
+    monkeypatch.setattr(utils.checkpoint.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"iteration": 2, "weights": torch.zeros(10)})
+    monkeypatch.undo()
+    previous = load_checkpoint(path)
+    assert previous["iteration"] == 1 and torch.equal(previous["weights"], torch.arange(10.0))
+    save_checkpoint(path, {"iteration": 3})  # the next write replaces the leftover temporary file
+    assert load_checkpoint(path)["iteration"] == 3 and not os.path.exists(path + ".tmp")
+
+
+def test_unreadable_checkpoint_is_one_clear_error(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="cannot be read"):
+        load_checkpoint(str(path))
+
+
+def test_checkpoint_from_another_config_is_refused(era5_dir, tmp_path, capsys):
+    train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", "2"])
+    checkpoint = os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", "demo", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--resume", checkpoint])
+    assert exit_info.value.code == 2
+    assert "was written by config 'tiny', not 'demo'" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""Config loading and flag overrides. A failure points to utils/YParams.py or utils/cli.py."""
+import pytest
+import torch
+
+from utils.cli import apply_overrides, reroot, training_parser
+from utils.errors import UserError
+from utils.YParams import YParams
+
+VIT_YAML = "config/ViT.yaml"
+ORIGINAL_CONFIGS = ["base", "short", "short_opt", "opt", "bs16_opt", "bs32_opt", "bs64_opt", "bs128_opt",
+                    "bs256_opt", "bs512_opt", "bs1024_opt", "bs2048_opt", "mp", "mp_bs16", "mp_bs32", "mp_patch4"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch):
+    from tests.conftest import REPO_ROOT
+    monkeypatch.chdir(REPO_ROOT)
+
+
+@pytest.mark.parametrize("name", ORIGINAL_CONFIGS + ["demo", "tiny"])
+def test_every_config_loads(name):
+    params = YParams(VIT_YAML, name)
+    assert params.n_in_channels == 20 and params.lr > 0
+
+
+def test_inheritance_through_anchors_and_merge_keys():
+    base, short, short_opt = (YParams(VIT_YAML, n) for n in ("base", "short", "short_opt"))
+    assert (short.limit_nsamples, short.limit_nsamples_val, short.num_iters) == (512, 128, 128)
+    assert short.embed_dim == base.embed_dim == 384 and short.lr == 5e-4
+    assert short_opt.limit_nsamples == 512  # two levels down
+    assert (short_opt.data_loader_config, short_opt.amp_mode, short_opt.enable_fused) == ("dali", "fp16", True)
+    assert base.limit_nsamples is None  # the YAML word None
+    bs = {n: (YParams(VIT_YAML, n).global_batch_size, YParams(VIT_YAML, n).lr)
+          for n in ("bs64_opt", "bs1024_opt", "bs2048_opt")}
+    assert bs == {"bs64_opt": (64, 1e-3), "bs1024_opt": (1024, 4e-3), "bs2048_opt": (2048, 5.66e-3)}
+    mp, patch4 = YParams(VIT_YAML, "mp"), YParams(VIT_YAML, "mp_patch4")
+    assert (mp.embed_dim, mp.global_batch_size, patch4.patch_size, patch4.embed_dim) == (1024, 64, 4, 1024)
+
+
+def overridden(config, flags, dp_size=1):
+    params = YParams(VIT_YAML, config)
+    apply_overrides(params, training_parser("t").parse_args(flags), dp_size=dp_size, dp_rank=0)
+    return params
+
+
+def test_flags_switch_yaml_values_both_ways():
+    params = overridden("short_opt", ["--no-enable_fused", "--no-enable_jit", "--amp_mode", "none",
+                                      "--data_loader_config", "pytorch", "--num_data_workers", "0"])
+    assert (params.enable_fused, params.enable_jit, params.amp_enabled) == (False, False, False)
+    assert (params.data_loader_config, params.num_data_workers) == ("pytorch", 0)
+    params = overridden("short", ["--enable_fused", "--amp_mode", "bf16", "--num_iters", "7"])
+    assert params.enable_fused and params.amp_dtype == torch.bfloat16 and params.num_iters == 7
+    params = overridden("short", [])  # no flag: YAML values stay
+    assert (params.enable_fused, params.amp_mode, params.num_iters) == (False, "none", 128)
+
+
+def test_batch_split_over_data_parallel_ranks():
+    params = overridden("bs64_opt", [], dp_size=4)
+    assert (params.global_batch_size, params.local_batch_size) == (64, 16)
+    params = overridden("bs64_opt", ["--local_batch_size", "8"], dp_size=4)
+    assert (params.global_batch_size, params.local_batch_size) == (32, 8)
+    with pytest.raises(UserError, match="cannot evenly distribute 64 across 3"):
+        overridden("bs64_opt", [], dp_size=3)
+
+
+def test_data_dir_reroots_only_data_paths():
+    params = overridden("short", ["--data_dir", "/tmp/sample"])
+    assert params.train_data_path == "/tmp/sample/train"
+    assert params.global_stds_path == "/tmp/sample/stats/global_stds.npy"
+    assert reroot("/elsewhere/x", "/data", "/tmp/sample") == "/elsewhere/x"
+    assert reroot("/database/x", "/data", "/tmp/sample") == "/database/x"  # prefix must be a whole folder
+    assert overridden("short", ["--data_dir", ""]).train_data_path == "/data/train"
+
+
+def test_unknown_config_lists_the_names():
+    with pytest.raises(UserError, match="config 'nope' is not in .*choose one of: base, short"):
+        YParams(VIT_YAML, "nope")
+
+
+def test_missing_yaml_file():
+    with pytest.raises(UserError, match="'config/missing.yaml' not found"):
+        YParams("config/missing.yaml", "base")

@@ -1,0 +1,39 @@
+"""DDP on 2 gloo processes == 1 process on the same global batch. Failures point to train.py's DDP
+setup, the sampler sharding in utils/data_loader.py, or utils/comm.py."""
+import os
+
+import pytest
+import torch
+
+from tests.conftest import run_command
+
+TOLERANCE = 1e-5  # fp32 weights after 10 Adam steps: only the order of the gradient sums differs
+
+
+def trained_weights(era5_dir, expdir, nproc, *flags):
+    result = run_command(["train.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
+                          "--num_iters", "10", *flags], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = os.path.join(str(expdir), "tiny", f"{nproc}GPU", "00", "checkpoints", "ckpt.pt")
+    return torch.load(path, weights_only=False)["model"], result.stderr
+
+
+def max_difference(a, b):
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+@pytest.fixture(scope="module")
+def single(era5_dir, tmp_path_factory):
+    return trained_weights(era5_dir, tmp_path_factory.mktemp("one"), 1)[0]
+
+
+def test_two_ranks_match_one_process(era5_dir, tmp_path, single):
+    two, log = trained_weights(era5_dir, tmp_path, 2)
+    assert max_difference(single, two) < TOLERANCE
+    assert log.count("DONE ---- rank 0") == 1 and "DONE ---- rank 1" not in log  # rank 0 logs alone
+
+
+def test_without_gradient_sync_the_ranks_drift(era5_dir, tmp_path, single):
+    """--noddp: each rank steps on its half batch, so the comparison above is able to fail."""
+    two, _ = trained_weights(era5_dir, tmp_path, 2, "--noddp")
+    assert max_difference(single, two) > 100 * TOLERANCE

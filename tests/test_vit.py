@@ -1,0 +1,57 @@
+"""ViT shapes and exact parameter counts of the tutorial's configs. Failures point to networks/vit.py."""
+import pytest
+import torch
+
+from networks import get_model
+from networks.vit import ViT
+from utils.errors import UserError
+from utils.YParams import YParams
+
+
+@pytest.mark.parametrize("config, expected", [("base", 23_832_960), ("mp", 157_926_400), ("mp_patch4", 168_401_920)])
+def test_parameter_counts(config, expected):
+    with torch.device("meta"):  # full-size models without allocating them
+        model = ViT(YParams("config/ViT.yaml", config))
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_base_output_shape_on_meta():
+    with torch.device("meta"):
+        model = ViT(YParams("config/ViT.yaml", "base"))
+        out = model(torch.empty(2, 20, 360, 720))
+    assert out.shape == (2, 20, 360, 720)
+
+
+def test_unpatchify_puts_each_token_back_on_its_own_pixels():
+    """Without blocks, changing one input patch must change exactly that patch of the output."""
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update({"depth": 0})
+    model = get_model(params).eval()
+    inp = torch.zeros(1, 20, 16, 32)
+    with torch.no_grad():
+        baseline = model(inp)
+        inp[:, :, 8:12, 20:24] = torch.randn(20, 4, 4)  # patch row 2, column 5 (patch size 4)
+        changed = (model(inp) - baseline).abs().sum(dim=(0, 1)) > 0
+    expected = torch.zeros(16, 32, dtype=torch.bool)
+    expected[8:12, 20:24] = True
+    assert torch.equal(changed, expected)
+
+
+def test_samples_are_independent():
+    model = get_model(YParams("config/ViT.yaml", "tiny")).eval()
+    inp = torch.randn(2, 20, 16, 32)
+    with torch.no_grad():
+        both = model(inp)
+        first = model(inp[:1])
+    torch.testing.assert_close(both[:1], first, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"img_size": [18, 32]}, r"img_size \[18, 32\] is not divisible by patch_size 4"),
+    ({"embed_dim": 33}, "embed_dim 33 is not divisible by num_heads 2"),
+])
+def test_shapes_that_do_not_divide_are_refused(changes, message):
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update(changes)
+    with pytest.raises(UserError, match=message):
+        ViT(params)
