@@ -3,8 +3,8 @@
     python -m utils.bench_step [--out bench_results/vit_step_cpu.json]
 
 Default shape, as in the project's CPU target: input 20 x 64 x 128, patch 8, embed 384, depth 12,
-8 heads, batch 4, fp32, Adam (fused unless --no-fused). Prints the step's achieved FLOP/s, the matmul peak measured in the same run,
-and their ratio (MFU), and writes them as JSON.
+8 heads, batch 4, fp32, Adam (fused unless --no-fused). Prints the step's achieved FLOP/s, the matmul
+peak measured in the same run, and their ratio (MFU), and writes them as JSON.
 """
 import argparse
 import json

@@ -70,7 +70,8 @@ def main(argv=None):
     print(f"\n| variant | samples/s | MFU | measured over |  ({args.config}, {device}, {os.cpu_count()} cores)")
     print("|---|---|---|---|")
     for row in rows:
-        print(f"| {row['variant']} | {row['samples_per_sec']:.2f} | {row['mfu_percent']:.1f}% | {row['measured_over']} |")
+        print(f"| {row['variant']} | {row['samples_per_sec']:.2f} | {row['mfu_percent']:.1f}% "
+              f"| {row['measured_over']} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
