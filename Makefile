@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= data/era5
+COSMO_DIR ?= data/cosmo
+CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo test lint bench bench-step bench-train clean
+.PHONY: install demo demo-unet demo-resnet test lint bench bench-step bench-train bench-unet bench-resnet clean
 
 install: $(VENV)/.installed
 
@@ -17,8 +19,21 @@ $(VENV)/.installed: requirements.txt
 $(DATA_DIR)/stats/global_stds.npy: | $(VENV)/.installed
 	$(PY) -m utils.sample_data era5 --out $(DATA_DIR)
 
+$(COSMO_DIR)/downsamp_1024crop_valid.h5: | $(VENV)/.installed
+	$(PY) -m utils.sample_data cosmo --out $(COSMO_DIR)
+
+$(CIFAR_DIR)/cifar-100-python/meta: | $(VENV)/.installed
+	$(PY) -m utils.sample_data cifar100 --out $(CIFAR_DIR)
+
 demo: install $(DATA_DIR)/stats/global_stds.npy
 	$(PY) train.py --yaml_config config/ViT.yaml --config demo --data_dir $(DATA_DIR) --expdir logs --run_num $(RUN_NUM)
+
+# the other stages on their sample data: 3D UNet (cosmology boxes), ResNet (CIFAR-100)
+demo-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
+	$(PY) train.py --yaml_config config/UNet.yaml --config demo --data_dir $(COSMO_DIR) --expdir logs --run_num $(RUN_NUM)
+
+demo-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
+	$(PY) train.py --yaml_config config/ResNet50.yaml --config demo --data_dir $(CIFAR_DIR) --expdir logs --run_num $(RUN_NUM)
 
 lint: install
 	$(PY) -m ruff check .
@@ -27,13 +42,19 @@ test: lint
 	$(PY) -m pytest -q tests
 
 # benchmarks write JSON under bench_results/ (numbers quoted in README)
-bench: bench-step bench-train
+bench: bench-step bench-train bench-unet bench-resnet
 
 bench-step: install
 	$(PY) -m utils.bench_step --out bench_results/vit_step_cpu.json
 
 bench-train: install $(DATA_DIR)/stats/global_stds.npy
-	$(PY) -m utils.bench_train --data_dir $(DATA_DIR) --out bench_results/train_demo.json
+	$(PY) -m utils.bench_train --suite vit --data_dir $(DATA_DIR) --out bench_results/train_demo.json
+
+bench-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
+	$(PY) -m utils.bench_train --suite unet --data_dir $(COSMO_DIR) --out bench_results/unet_demo.json
+
+bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
+	$(PY) -m utils.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json
 
 clean:
 	rm -rf logs __pycache__ */__pycache__ .pytest_cache

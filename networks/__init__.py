@@ -8,4 +8,10 @@ def get_model(params):
     if name == "vit":
         from networks.vit import ViT
         return ViT(params)
-    raise UserError(f"model '{name}' is unknown; choose one of: vit")
+    if name == "unet":
+        from networks.UNet import UNet
+        return UNet(params)
+    if name == "resnet":
+        from networks.resnet import ResNet
+        return ResNet(params)
+    raise UserError(f"model '{name}' is unknown; choose one of: vit, unet, resnet")

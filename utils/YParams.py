@@ -63,6 +63,9 @@ class YParams:
     def get(self, key, default=None):
         return self.params.get(key, default)
 
+    def setdefault(self, key, default):
+        return self.params.setdefault(key, default)
+
     def update(self, new_params):
         self.params.update(new_params)
 

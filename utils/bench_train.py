@@ -1,10 +1,13 @@
-"""Benchmark: train.py samples/s on one config for the single-device optimisations of the tutorial.
+"""Benchmark: train.py throughput per optimisation step of a tutorial stage, as a table and JSON.
 
-    python -m utils.bench_train --data_dir data/era5 [--config demo] [--out bench_results/train_demo.json]
+    python -m utils.bench_train --suite vit --data_dir data/era5          [--out bench_results/train_demo.json]
+    python -m utils.bench_train --suite unet --data_dir data/cosmo        (the built-in IO / SYNTHETIC / FULL benchmark)
+    python -m utils.bench_train --suite resnet --data_dir data/cifar100
 
-Each variant runs train.py for one warm-up epoch plus part of a second and reports the second epoch's
-samples/s (from train.py's own "Time taken for epoch" line). Variants whose steps are very slow on this
-device (reduced precision on CPUs without native support) run a few steps only and say so.
+vit and resnet: each variant runs train.py for one warm-up epoch plus part of a second and reports the
+second epoch's samples/s (train.py's own "Time taken for epoch" line). Variants whose steps are very slow
+on this device (reduced precision on CPUs without native support) run a few steps only and say so.
+unet: each variant runs `train.py --enable_benchy` and reports its IO, SYNTHETIC and FULL samples/s.
 """
 import json
 import os
@@ -18,60 +21,117 @@ import torch
 
 from utils.errors import ArgumentParser
 
-VARIANTS = [  # name, train.py flags
-    ("baseline (0 workers)", ["--num_data_workers", "0"]),
-    ("2 workers", ["--num_data_workers", "2"]),
-    ("4 workers", ["--num_data_workers", "4"]),
-    ("2 workers + bf16", ["--num_data_workers", "2", "--amp_mode", "bf16"]),
-    ("2 workers + fused Adam", ["--num_data_workers", "2", "--enable_fused"]),
-    ("2 workers + fused + compile", ["--num_data_workers", "2", "--enable_fused", "--enable_jit"]),
-]
+# yaml, config, steps per epoch of that config on the default sample data (None: run 2 whole epochs), variants
+SUITES = {
+    "vit": ("config/ViT.yaml", "demo", 32, [
+        ("baseline (0 workers)", ["--num_data_workers", "0"]),
+        ("2 workers", ["--num_data_workers", "2"]),
+        ("4 workers", ["--num_data_workers", "4"]),
+        ("2 workers + bf16", ["--num_data_workers", "2", "--amp_mode", "bf16"]),
+        ("2 workers + fused Adam", ["--num_data_workers", "2", "--enable_fused"]),
+        ("2 workers + fused + compile", ["--num_data_workers", "2", "--enable_fused", "--enable_jit"]),
+    ]),
+    "unet": ("config/UNet.yaml", "demo", None, [
+        ("lowmem, 0 workers", ["--data_loader_config", "lowmem", "--num_data_workers", "0"]),
+        ("lowmem, 2 workers", ["--data_loader_config", "lowmem", "--num_data_workers", "2"]),
+        ("lowmem, 4 workers", ["--data_loader_config", "lowmem", "--num_data_workers", "4"]),
+        ("inmem, 2 workers", ["--data_loader_config", "inmem", "--num_data_workers", "2"]),
+        ("inmem, 2 workers + bf16", ["--data_loader_config", "inmem", "--num_data_workers", "2",
+                                     "--amp_mode", "bf16"]),
+        ("inmem, 2 workers + compile", ["--data_loader_config", "inmem", "--num_data_workers", "2",
+                                        "--enable_jit"]),
+    ]),
+    "resnet": ("config/ResNet50.yaml", "demo", None, [
+        ("baseline", []),
+        ("bf16", ["--amp_mode", "bf16"]),
+        ("bf16 + channels_last", ["--amp_mode", "bf16", "--enable_nhwc"]),
+        ("bf16 + channels_last + fused SGD", ["--amp_mode", "bf16", "--enable_nhwc", "--enable_fused"]),
+    ]),
+}
 EPOCH_LINE = re.compile(r"Time taken for epoch (\d+) is ([\d.]+) sec, avg ([\d.]+) samples/sec")
 MFU_LINE = re.compile(r"Throughput per device: ([\d.]+) TFLOP/s, MFU ([\d.]+)%")
 
 
-def run_variant(args, flags, num_iters, workdir):
-    command = [sys.executable, "train.py", "--yaml_config", args.yaml_config, "--config", args.config,
-               "--data_dir", args.data_dir, "--expdir", workdir, "--num_iters", str(num_iters),
-               "--checkpoint_interval", "0", "--run_num", str(len(os.listdir(workdir))), *flags]
-    result = subprocess.run(command, capture_output=True, text=True)
+def run_train(args, yaml_config, flags, workdir, env=None):
+    command = [sys.executable, "train.py", "--yaml_config", yaml_config, "--config", args.config,
+               "--data_dir", args.data_dir, "--expdir", workdir, "--checkpoint_interval", "0",
+               "--run_num", str(len(os.listdir(workdir))), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"error: train.py failed for {flags}:\n{result.stderr[-2000:]}")
-    epochs = EPOCH_LINE.findall(result.stderr)
-    mfus = MFU_LINE.findall(result.stderr)
-    return {"epoch": int(epochs[-1][0]), "epoch_seconds": float(epochs[-1][1]),
-            "samples_per_sec": float(epochs[-1][2]), "mfu_percent": float(mfus[-1][1])}
+    return result.stderr
+
+
+def epoch_throughput(args, yaml_config, steps_per_epoch, flags, slow, workdir):
+    """samples/s and MFU of epoch 2 (epoch 1 is warm-up), or of a few steps of epoch 1 when `slow`."""
+    if slow:
+        length = ["--num_iters", "3"]
+    elif steps_per_epoch:
+        length = ["--num_iters", str(steps_per_epoch + steps_per_epoch // 2)]
+    else:
+        length = ["--num_epochs", "2"]
+    log = run_train(args, yaml_config, [*length, *flags], workdir)
+    epochs, mfus = EPOCH_LINE.findall(log), MFU_LINE.findall(log)
+    return {"measured_over": "3 steps of epoch 1" if slow else "epoch 2 (epoch 1 is warm-up)",
+            "epoch_seconds": float(epochs[-1][1]), "samples_per_sec": float(epochs[-1][2]),
+            "mfu_percent": float(mfus[-1][1])}
+
+
+def benchy_throughput(args, yaml_config, flags, workdir):
+    """IO / SYNTHETIC / FULL samples/s from train.py --enable_benchy."""
+    out = os.path.join(workdir, f"benchy_{len(os.listdir(workdir))}")
+    run_train(args, yaml_config, ["--enable_benchy", "--benchy_nbatches", str(args.benchy_nbatches),
+                                  "--benchy_ntrials", "2", "--benchy_nwarmup", "1", *flags],
+              workdir, env=dict(os.environ, BENCHY_OUTPUT=out))
+    with open(out + ".json") as f:
+        results = json.load(f)
+    return {name: {"mean": results[name]["mean"], "std": results[name]["std"]} for name in ("IO", "SYNTHETIC", "FULL")}
 
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=list(SUITES), default="vit")
     parser.add_argument("--data_dir", required=True)
-    parser.add_argument("--yaml_config", default="config/ViT.yaml")
     parser.add_argument("--config", default="demo")
-    parser.add_argument("--steps_per_epoch", type=int, default=32, help="the config's steps per epoch")
+    parser.add_argument("--steps_per_epoch", type=int, default=None,
+                        help="the config's steps per epoch (default: 32 for vit demo; whole epochs for resnet)")
+    parser.add_argument("--benchy_nbatches", type=int, default=20, help="batches per benchmark trial (unet)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
+    yaml_config, _, default_steps, variants = SUITES[args.suite]
+    steps_per_epoch = args.steps_per_epoch or default_steps
     slow_precision = not torch.cuda.is_available()  # CPUs here emulate bf16 matmuls (~100x slower)
 
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        for name, flags in VARIANTS:
-            short = slow_precision and "bf16" in flags
-            num_iters = 3 if short else args.steps_per_epoch + args.steps_per_epoch // 2
-            print(f"[bench_train] {name}: {num_iters} iterations ...", flush=True)
-            row = {"variant": name, "flags": " ".join(flags), "measured_over": "3 steps of epoch 1" if short
-                   else "epoch 2 (epoch 1 is warm-up)", **run_variant(args, flags, num_iters, workdir)}
-            print(f"[bench_train]   {row['samples_per_sec']:.2f} samples/s, MFU {row['mfu_percent']:.1f}%",
-                  flush=True)
+        for name, flags in variants:
+            print(f"[bench_train] {args.suite}: {name} ...", flush=True)
+            row = {"variant": name, "flags": " ".join(flags)}
+            if args.suite == "unet":
+                row.update(benchy_throughput(args, yaml_config, flags, workdir))
+                print("[bench_train]   " + ", ".join(f"{k} {row[k]['mean']:.2f}" for k in ("IO", "SYNTHETIC", "FULL"))
+                      + " samples/s", flush=True)
+            else:
+                slow = slow_precision and "bf16" in flags
+                row.update(epoch_throughput(args, yaml_config, steps_per_epoch, flags, slow, workdir))
+                print(f"[bench_train]   {row['samples_per_sec']:.2f} samples/s, MFU {row['mfu_percent']:.1f}%",
+                      flush=True)
             rows.append(row)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
-    results = {"config": args.config, "device": device, "cpu_count": os.cpu_count(), "rows": rows}
-    print(f"\n| variant | samples/s | MFU | measured over |  ({args.config}, {device}, {os.cpu_count()} cores)")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['variant']} | {row['samples_per_sec']:.2f} | {row['mfu_percent']:.1f}% "
-              f"| {row['measured_over']} |")
+    results = {"suite": args.suite, "config": args.config, "device": device, "cpu_count": os.cpu_count(),
+               "rows": rows}
+    print(f"\n({args.suite}, config {args.config}, {device}, {os.cpu_count()} cores)")
+    if args.suite == "unet":
+        print("| variant | IO samples/s | SYNTHETIC samples/s | FULL samples/s |\n|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['variant']} | " + " | ".join(f"{row[k]['mean']:.2f} +/- {row[k]['std']:.2f}"
+                                                     for k in ("IO", "SYNTHETIC", "FULL")) + " |")
+    else:
+        print("| variant | samples/s | MFU | measured over |\n|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['variant']} | {row['samples_per_sec']:.2f} | {row['mfu_percent']:.1f}% "
+                  f"| {row['measured_over']} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

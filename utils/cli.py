@@ -17,16 +17,25 @@ def training_parser(description):
     add("--config", type=str, default="base", help="name of the config inside the YAML file")
     # None below means "keep the YAML value"; every flag can switch a YAML value in either direction
     add("--amp_mode", type=str, default=None, choices=list(AMP_DTYPES), help="mixed precision")
-    add("--enable_fused", action=argparse.BooleanOptionalAction, default=None, help="fused Adam kernels")
+    add("--enable_fused", action=argparse.BooleanOptionalAction, default=None, help="fused optimizer kernels")
     add("--enable_jit", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    add("--enable_nhwc", action=argparse.BooleanOptionalAction, default=None,
+        help="channels_last memory format for 2D image models and their inputs")
     add("--local_batch_size", type=int, default=None, help="per-rank batch; sets global = ranks x local")
     add("--num_iters", type=int, default=None, help="total training iterations")
+    add("--num_epochs", type=int, default=None, help="total training epochs (instead of num_iters)")
     add("--num_data_workers", type=int, default=None, help="data loader worker processes")
-    add("--data_loader_config", type=str, default=None, help="data loader: pytorch")
+    add("--data_loader_config", type=str, default=None,
+        help="data loader: pytorch (ERA5, images); synthetic, inmem, lowmem (cosmology boxes)")
     add("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size in MB")
     add("--disable_broadcast_buffers", action="store_true",
         help="DDP without buffer broadcast, gradients as bucket views")
     add("--noddp", action="store_true", help="no DDP wrapper even when distributed (no gradient sync)")
+    add("--parallel", type=str, default="ddp", choices=["ddp", "dp"],
+        help="ddp: one process per device; dp: nn.DataParallel over the node's GPUs in one process")
+    add("--arch", "-a", type=str, default=None, help="torchvision architecture (ResNet stage), e.g. resnet50")
+    add("--desired_acc", type=float, default=None,
+        help="stop once the validation top-1 accuracy reaches this fraction (classification)")
     add("--data_dir", type=str, default=os.environ.get("DATA_DIR"),
         help="re-root the config's /data paths here (default: $DATA_DIR)")
     add("--expdir", type=str, default=None, help="root of the run directories (config: expdir)")
@@ -38,30 +47,64 @@ def training_parser(description):
         help="stop after this iteration, checkpointed, as if the job hit its time limit")
     add("--profile_epoch", type=int, default=3, help="0-based epoch of the cudaProfilerApi window")
     add("--profile_iters", type=int, default=None, help="iterations in the profiler window (default: the epoch)")
+    add("--enable_benchy", action=argparse.BooleanOptionalAction, default=None,
+        help="throughput benchmark (IO, SYNTHETIC, FULL) instead of training; JSON to $BENCHY_OUTPUT.json")
+    add("--benchy_nbatches", type=int, default=None, help="batches per benchmark trial (default 50)")
+    add("--benchy_ntrials", type=int, default=None, help="timed trials per benchmark (default 2)")
+    add("--benchy_nwarmup", type=int, default=None, help="warm-up trials per benchmark (default 2)")
+    # the UNet stage's original flags, kept as aliases of the unified ones
+    add("--enable_amp", action="store_true", help="alias of --amp_mode fp16 (UNet stage)")
+    add("--enable_apex", action="store_true", help="alias of --enable_fused (UNet stage; no APEX needed)")
+    add("--enable_manual_profiling", action="store_true",
+        help="the UNet stage's profiler window: 60 steps of the 2nd epoch (--profile_epoch 1 --profile_iters 60)")
     return parser
 
 
 def reroot(path, data_root, data_dir):
     """`data_root/x` -> `data_dir/x`; paths outside data_root are kept."""
     if data_dir and path and data_root and (path == data_root or path.startswith(data_root.rstrip("/") + "/")):
-        return os.path.join(data_dir, os.path.relpath(path, data_root))
+        return os.path.normpath(os.path.join(data_dir, os.path.relpath(path, data_root)))
     return path
 
 
 def apply_overrides(params, args, dp_size, dp_rank):
     """Write the flags that were given into params; derive batch sizes, AMP dtype, data paths and shards."""
-    for key in ("amp_mode", "enable_fused", "enable_jit", "num_iters", "num_data_workers",
-                "data_loader_config", "expdir", "checkpoint_interval"):
+    if args.enable_amp:
+        args.amp_mode = args.amp_mode or "fp16"
+    if args.enable_apex:
+        args.enable_fused = True
+    if args.num_epochs is not None:  # an explicit length in epochs replaces the config's num_iters
+        params.num_iters = None
+    for key in ("amp_mode", "enable_fused", "enable_jit", "enable_nhwc", "num_iters", "num_epochs",
+                "num_data_workers", "data_loader_config", "expdir", "checkpoint_interval", "arch",
+                "enable_benchy", "benchy_nbatches", "benchy_ntrials", "benchy_nwarmup"):
         value = getattr(args, key)
         if value is not None:
             params[key] = value
+
+    # the UNet and ResNet stages' own YAML switches, read once here into the unified keys
+    if args.amp_mode is None and params.get("enable_amp"):
+        params.amp_mode = "fp16"
+    if args.enable_fused is None and (params.get("enable_apex") or params.get("enable_extra_opts")):
+        params.enable_fused = True
+    params.setdefault("amp_mode", "none")
+    params.setdefault("enable_fused", False)
+    params.setdefault("enable_jit", False)
+    params.setdefault("enable_nhwc", False)
+    params.setdefault("enable_benchy", False)
+    # cudnn autotuning: on, except where a config keeps it for its "extra opts" step (ResNet baseline)
+    params.cudnn_benchmark = bool(params.get("enable_extra_opts", True))
 
     if params.amp_mode not in AMP_DTYPES:
         raise UserError(f"amp_mode '{params.amp_mode}' is unknown; choose one of: {', '.join(AMP_DTYPES)}")
     params.update({"amp_enabled": params.amp_mode != "none", "amp_dtype": AMP_DTYPES[params.amp_mode]})
 
-    if params.num_iters < 1:
+    if params.get("num_iters") is None and params.get("num_epochs") is None:
+        raise UserError("the config sets neither num_iters nor num_epochs; give one (or --num_iters N)")
+    if params.get("num_iters") is not None and params.num_iters < 1:
         raise UserError(f"num_iters is {params.num_iters}; it must be at least 1")
+    if params.get("num_iters") is None and params.num_epochs < 1:
+        raise UserError(f"num_epochs is {params.num_epochs}; it must be at least 1")
     if args.local_batch_size is not None:
         if args.local_batch_size < 1:
             raise UserError(f"--local_batch_size is {args.local_batch_size}; it must be at least 1")
@@ -73,6 +116,14 @@ def apply_overrides(params, args, dp_size, dp_rank):
                         "or set --local_batch_size")
     else:
         params.local_batch_size = params.global_batch_size // dp_size
+
+    if args.enable_benchy and args.enable_manual_profiling:
+        raise UserError("Enable either benchy profiling or manual profiling, not both.")
+    if args.enable_manual_profiling:
+        args.profile_epoch, args.profile_iters = 1, 60
+    elif params.get("enable_profiling"):  # the ResNet stage's *-prof configs name their window
+        args.profile_epoch = params.profiling_epoch_start - 1
+        args.profile_iters = params.profiling_iters_per_epoch
 
     for key in list(params.params):
         if key.endswith("_path") and isinstance(params[key], str):

@@ -1,4 +1,7 @@
-"""PyTorch loader for ERA5 yearly HDF5 files: (x(t), x(t+dt)) pairs, normalised per channel."""
+"""PyTorch data loaders: the ERA5 dataset here, the others by name (`dataset` key), one sampler and loader for all.
+
+ERA5 yearly HDF5 files give (x(t), x(t+dt)) pairs, normalised per channel.
+"""
 import glob
 import logging
 import os
@@ -8,6 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from utils import comm
 from utils.errors import UserError
 
 SAMPLE_DATA_HINT = ("generate sample data with `python -m utils.sample_data era5 --out data/era5` "
@@ -112,11 +116,33 @@ class ERA5Dataset(Dataset):
         return torch.from_numpy(inp), torch.from_numpy(tar)
 
 
-def get_data_loader(params, location, train):
+def get_dataset(params, train):
+    """The training or validation dataset of the config's `dataset` (era5, cosmo, cifar100, imagefolder)."""
+    name = params.get("dataset", "era5")
+    if name == "era5":
+        if params.data_loader_config != "pytorch":
+            raise UserError(f"data_loader_config '{params.data_loader_config}' is not available yet for ERA5; "
+                            "use --data_loader_config pytorch")
+        return ERA5Dataset(params, params.train_data_path if train else params.valid_data_path, train)
+    if name == "cosmo":
+        from utils.data_loader_cosmo import CosmoDataset
+        return CosmoDataset(params, train)
+    if name in ("cifar100", "imagefolder"):
+        from utils.data_loader_images import get_image_dataset
+        if params.data_shard_id == 0:  # rank 0 first: it may download CIFAR-100 (when the config allows)
+            dataset = get_image_dataset(params, train, download_ok=True)
+        comm.barrier()
+        return dataset if params.data_shard_id == 0 else get_image_dataset(params, train, download_ok=False)
+    raise UserError(f"dataset '{name}' is unknown; choose one of: era5, cosmo, cifar100, imagefolder")
+
+
+def get_data_loader(params, train):
     """(loader, dataset, sampler) for one split, sharded over the data-parallel ranks."""
-    dataset = ERA5Dataset(params, location, train)
-    if len(dataset) < params.local_batch_size * params.data_num_shards:
-        raise UserError(f"'{location}' has {len(dataset)} samples, fewer than one global batch of "
+    dataset = get_dataset(params, train)
+    batch_size = params.local_batch_size if train else params.get("valid_batch_size_per_gpu",
+                                                                  params.local_batch_size)
+    if train and len(dataset) < params.local_batch_size * params.data_num_shards:
+        raise UserError(f"the training data has {len(dataset)} samples, fewer than one global batch of "
                         f"{params.local_batch_size * params.data_num_shards}; lower the batch size")
     # always a sampler, also on one rank: the shuffle order is then a function of (seed, epoch)
     sampler = ResumableSampler(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
@@ -124,7 +150,7 @@ def get_data_loader(params, location, train):
     workers = params.num_data_workers
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
-    loader = DataLoader(dataset, batch_size=params.local_batch_size, sampler=sampler,
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                         num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
                         persistent_workers=workers > 0, worker_init_fn=_seed_worker,
                         generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))

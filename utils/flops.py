@@ -14,12 +14,13 @@ GPU_PEAKS = {
 
 def train_flops_per_sample(build_model, params, sample_shape):
     """FLOPs of forward + backward for one sample of `sample_shape`, counted on the meta device."""
+    batch = 2  # BatchNorm in training mode refuses a single value per channel (1x1 maps at batch 1)
     with torch.device("meta"):
         model = build_model(params)
-        inp = torch.empty((1, *sample_shape))
+        inp = torch.empty((batch, *sample_shape))
     with FlopCounterMode(display=False) as counter:
         model(inp).float().sum().backward()
-    return counter.get_total_flops()
+    return counter.get_total_flops() // batch
 
 
 def measure_matmul_peak(device, dtype=torch.float32, seconds=0.5, max_size=4096):

@@ -1,5 +1,6 @@
-"""Losses, selected by the config's `loss` key."""
+"""Losses, selected by the config's `loss` key: fn(prediction, target) -> scalar."""
 import torch
+import torch.nn.functional as F
 
 from utils.errors import UserError
 
@@ -13,11 +14,14 @@ def l2_loss(pred, target):
     return torch.mean(diff_norms / target_norms)
 
 
-LOSSES = {"l2": l2_loss}
-
-
 def get_loss(params):
     name = params.get("loss", "l2")
-    if name not in LOSSES:
-        raise UserError(f"loss '{name}' is unknown; choose one of: {', '.join(LOSSES)}")
-    return LOSSES[name]
+    if name == "l2":  # ViT on ERA5
+        return l2_loss
+    if name == "l1_rho":  # UNet: L1, plus the density term in physical space when lambda_rho > 0
+        from networks.UNet import loss_func
+        lambda_rho = params.lambda_rho
+        return lambda gen, tar: loss_func(gen, tar, lambda_rho)
+    if name == "cross_entropy":  # ResNet: logits (B, classes) against labels (B,)
+        return F.cross_entropy
+    raise UserError(f"loss '{name}' is unknown; choose one of: l2, l1_rho, cross_entropy")

@@ -1,4 +1,4 @@
-"""Validation metrics: latitude-weighted RMSE for ERA5 maps."""
+"""Metrics: latitude-weighted RMSE for ERA5 maps, top-k accuracy for classifiers."""
 import torch
 
 
@@ -25,8 +25,33 @@ def era5_valid_metrics(pred, target):
     return {"RMSE(u10m)/valid": weighted_rmse_channels(pred, target)[:, 0]}
 
 
+def topk_correct(logits, labels, k):
+    """(B,) 1.0 where the label is among the k highest logits."""
+    k = min(k, logits.shape[1])
+    return (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float()
+
+
+def classification_valid_metrics(logits, labels):
+    return {"Accuracy/top1/valid": topk_correct(logits, labels, 1),
+            "Accuracy/top5/valid": topk_correct(logits, labels, 5)}
+
+
+def classification_train_metrics(logits, labels):
+    return {"Accuracy/top1/train": topk_correct(logits, labels, 1)}
+
+
 def get_valid_metrics(params):
-    """fn(pred, target) -> {tag: (B,) tensor}: extra validation metrics for the config's model."""
-    if params.get("model", "vit") == "vit":
+    """fn(pred, target) -> {tag: (B,) tensor}: validation metrics of the config's model, averaged per sample."""
+    model = params.get("model", "vit")
+    if model == "vit":
         return era5_valid_metrics
+    if model == "resnet":
+        return classification_valid_metrics
+    return lambda pred, target: {}
+
+
+def get_train_metrics(params):
+    """Like get_valid_metrics, for training batches (averaged over the epoch)."""
+    if params.get("model", "vit") == "resnet":
+        return classification_train_metrics
     return lambda pred, target: {}

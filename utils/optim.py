@@ -1,4 +1,8 @@
-"""Optimizer and learning-rate schedule, selected by the config (`optimizer`, `lr_schedule`)."""
+"""Optimizer and learning-rate schedule, selected by the config (`optimizer`, `lr_schedule`).
+
+Every schedule is stepped once per iteration; the ResNet stage's plateau schedule also looks at the
+validation loss after each epoch (`end_epoch`).
+"""
 import math
 
 import torch
@@ -6,13 +10,29 @@ import torch
 from utils.errors import UserError
 
 
+def initial_lr(params):
+    """The peak learning rate: `lr`, or for the UNet stage's `lr_schedule` map start_lr scaled by batch size."""
+    schedule = params.lr_schedule
+    if not isinstance(schedule, dict):
+        return params.lr
+    ratio = params.global_batch_size / params.base_batch_size
+    scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
+    if schedule["scaling"] not in scale:
+        raise UserError(f"lr_schedule scaling '{schedule['scaling']}' is unknown; choose one of: none, linear, sqrt")
+    return schedule["start_lr"] * scale[schedule["scaling"]]
+
+
 def get_optimizer(params, model):
-    """Adam with betas (0.9, 0.95), as in the tutorial; fused kernels when `enable_fused`."""
+    """Adam (ViT: betas 0.9, 0.95; UNet: 0.9, 0.999) or SGD with momentum (ResNet); fused with `enable_fused`."""
     name = params.get("optimizer", "Adam")
-    if name != "Adam":
-        raise UserError(f"optimizer '{name}' is unknown; choose one of: Adam")
-    return torch.optim.Adam(model.parameters(), lr=params.lr, betas=(0.9, 0.95),
-                            fused=bool(params.enable_fused) or None)
+    fused = bool(params.enable_fused) or None
+    if name == "Adam":
+        return torch.optim.Adam(model.parameters(), lr=initial_lr(params),
+                                betas=tuple(params.get("adam_betas", (0.9, 0.95))), fused=fused)
+    if name == "SGD":
+        return torch.optim.SGD(model.parameters(), lr=initial_lr(params), momentum=params.momentum,
+                               weight_decay=params.weight_decay, fused=fused)
+    raise UserError(f"optimizer '{name}' is unknown; choose one of: Adam, SGD")
 
 
 def cosine_with_warmup(warmup_iters, total_iters):
@@ -25,14 +45,76 @@ def cosine_with_warmup(warmup_iters, total_iters):
     return factor
 
 
-def get_lr_scheduler(params, optimizer):
-    """Stepped once per iteration; 'cosine' ends at 0 after num_iters, 'constant' keeps lr."""
+def unet_schedule(params, total_iters):
+    """LR factor of the UNet stage: warm-up (only when the batch is scaled up), then cosine to end_lr.
+
+    Iteration it = x + 1 (1-based, as upstream) uses it / warmup during warm-up, then a cosine over the
+    remaining total - warmup iterations exactly, so the last iteration runs at end_lr.
+    """
+    schedule = params.lr_schedule
+    init_lr, end_lr = initial_lr(params), schedule["end_lr"]
+    scaled = params.global_batch_size > params.base_batch_size and schedule["scaling"] != "none"
+    warmup = min(schedule["warmup_steps"], total_iters - 1) if scaled else 0
+
+    def factor(x):
+        it = x + 1
+        if it < warmup:
+            return it / warmup
+        progress = (it - warmup) / max(total_iters - warmup, 1)
+        return (end_lr + 0.5 * (init_lr - end_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))) / init_lr
+
+    return factor
+
+
+class WarmupThenPlateau:
+    """ResNet stage: lr = lr0 * (epoch + 1) / warmup_epochs during warm-up, then ReduceLROnPlateau
+    (factor 0.2, patience 10) on the validation loss after each epoch."""
+
+    def __init__(self, optimizer, base_lr, warmup_epochs, steps_per_epoch):
+        self.optimizer = optimizer
+        self.base_lr = base_lr
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.last_epoch = 0  # iterations done, as LambdaLR counts them
+        self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.2, patience=10)
+        self._warmup_lr()
+
+    def _warmup_lr(self):
+        epoch = self.last_epoch // self.steps_per_epoch
+        if epoch < self.warmup_epochs:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.base_lr * (epoch + 1) / self.warmup_epochs
+
+    def step(self):
+        self.last_epoch += 1
+        self._warmup_lr()
+
+    def end_epoch(self, val_loss):
+        """After the validation of an epoch: past warm-up, lower the lr when the loss stalls."""
+        if math.ceil(self.last_epoch / self.steps_per_epoch) > self.warmup_epochs:
+            self.plateau.step(val_loss)
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch, "plateau": self.plateau.state_dict()}
+
+    def load_state_dict(self, state):
+        self.last_epoch = state["last_epoch"]
+        self.plateau.load_state_dict(state["plateau"])
+
+
+def get_lr_scheduler(params, optimizer, steps_per_epoch):
+    """Per-iteration schedule over params.num_iters: cosine, constant, the UNet map, or plateau (ResNet)."""
     name = params.lr_schedule
-    if name == "cosine":
+    if isinstance(name, dict):
+        factor = unet_schedule(params, params.num_iters)
+    elif name == "cosine":
         factor = cosine_with_warmup(params.warmup, params.num_iters)
     elif name == "constant":
         def factor(x):
             return 1.0
+    elif name == "plateau":
+        return WarmupThenPlateau(optimizer, params.lr, params.get("lr_warmup_epochs", 0), steps_per_epoch)
     else:
-        raise UserError(f"lr_schedule '{name}' is unknown; choose one of: cosine, constant")
+        raise UserError(f"lr_schedule '{name}' is unknown; choose one of: cosine, constant, plateau, "
+                        "or a map {scaling, start_lr, end_lr, warmup_steps}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

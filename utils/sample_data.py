@@ -1,7 +1,9 @@
 """Write small synthetic data sets in the exact on-disk layout the tutorials read.
 
 Lets every tutorial run (and be tested) without downloading the real data:
-`python -m utils.sample_data era5 --out DIR` writes ERA5-like HDF5 year files + stats.
+`python -m utils.sample_data era5 --out DIR` writes ERA5-like HDF5 year files + stats;
+`cosmo` the cosmology boxes (HDF5 + .npy), `cifar100` the CIFAR-100 python pickles,
+`imagefolder` an ImageNet-style folder tree (utils/sample_cosmo.py, utils/sample_images.py).
 """
 
 import os
@@ -350,6 +352,12 @@ def build_parser():
     parser = ArgumentParser(prog="python -m utils.sample_data", description=__doc__)
     subparsers = parser.add_subparsers(dest="dataset", required=True)
     add_era5_parser(subparsers)
+    # imported here: those modules import SampleDataError from this one
+    from utils.sample_cosmo import add_cosmo_parser
+    from utils.sample_images import add_cifar100_parser, add_imagefolder_parser
+    add_cosmo_parser(subparsers)
+    add_cifar100_parser(subparsers)
+    add_imagefolder_parser(subparsers)
     return parser
 
 
@@ -358,7 +366,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except SampleDataError as error:
+    except UserError as error:  # SampleDataError, also when raised by the modules imported in build_parser
         print(f"error: {error}", file=sys.stderr)
         return 2
 

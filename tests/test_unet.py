@@ -1,0 +1,94 @@
+"""3D UNet shapes, exact parameter counts, weight init and the loss. Failures point to networks/UNet.py
+(layer ladder or skip connections for counts/shapes, init_weights for the statistics, loss_func for values)."""
+import math
+
+import pytest
+import torch
+
+from networks.UNet import UNet, check_unet_params, loss_func
+from utils.errors import UserError
+from utils.YParams import YParams
+
+
+def _params(config="tiny", **changes):
+    params = YParams("config/UNet.yaml", config)
+    params.update(changes)
+    return params
+
+
+@pytest.mark.parametrize("full_scale, expected", [(True, 116_977_029), (False, 66_644_357)])
+def test_parameter_counts_of_the_tutorial_model(full_scale, expected):
+    with torch.device("meta"):  # full-size models without allocating them
+        model = UNet(_params("base", full_scale=full_scale))
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_full_size_forward_on_meta():
+    with torch.device("meta"):
+        model = UNet(_params("base"))
+        out = model(torch.empty(2, 4, 64, 64, 64))
+    assert out.shape == (2, 5, 64, 64, 64)
+
+
+@pytest.mark.parametrize("full_scale, data_size", [(False, 32), (True, 64)])
+def test_output_shape_and_tanh_range(full_scale, data_size):
+    torch.manual_seed(0)
+    model = UNet(_params(base_channels=2, full_scale=full_scale, data_size=data_size)).eval()
+    with torch.no_grad():
+        out = model(10 * torch.randn(1, 4, data_size, data_size, data_size))  # large inputs push tanh
+    assert out.shape == (1, 5, data_size, data_size, data_size)
+    assert out.abs().max() < 1.0
+    assert out.std() > 0.01  # not a constant output
+
+
+def test_init_follows_weight_init():
+    torch.manual_seed(0)
+    model = UNet(_params(base_channels=8))
+    convs = [m for m in model.modules() if isinstance(m, (torch.nn.Conv3d, torch.nn.ConvTranspose3d))]
+    assert len(convs) == 10  # 5 down, up5..up2, conv_last
+    weights = torch.cat([m.weight.flatten() for m in convs])
+    assert weights.numel() > 500_000
+    assert weights.std().item() == pytest.approx(0.02, rel=0.02)
+    assert abs(weights.mean().item()) < 1e-3
+    assert all(torch.all(m.bias == 0) for m in convs)
+
+    model = UNet(_params(base_channels=8, weight_init={"conv_init": "normal", "conv_scale": 0.05, "conv_bias": 0.1}))
+    weights = torch.cat([m.weight.flatten() for m in model.modules() if isinstance(m, torch.nn.Conv3d)])
+    assert weights.std().item() == pytest.approx(0.05, rel=0.02)
+    assert all(torch.all(m.bias == 0.1) for m in model.modules() if isinstance(m, torch.nn.ConvTranspose3d))
+
+
+def test_loss_on_hand_computable_inputs():
+    gen = torch.zeros(2, 5, 1, 1, 1)
+    tar = torch.zeros(2, 5, 1, 1, 1)
+    tar[0, 0] = 0.1  # channel 0 (density), first sample
+    tar[1, 3] = -0.3  # another channel: only in the L1 part
+    l1 = (0.1 + 0.3) / 10
+    rho_term = (math.exp(1.4) - 1.0) / 2  # mean over the 2 channel-0 elements, not over all 10
+    assert loss_func(gen, tar, 0).item() == pytest.approx(l1, rel=1e-6)
+    assert loss_func(gen, tar, 0.5).item() == pytest.approx(l1 + 0.5 * rho_term, rel=1e-6)
+
+
+@pytest.mark.parametrize("lambda_rho", [0.0, 0.1])
+def test_compiled_loss_equals_eager(lambda_rho):
+    generator = torch.Generator().manual_seed(0)
+    gen = 0.2 * torch.rand(2, 5, 4, 4, 4, generator=generator) - 0.1
+    tar = 0.2 * torch.rand(2, 5, 4, 4, 4, generator=generator) - 0.1
+    eager = loss_func(gen, tar, lambda_rho)
+    compiled = torch.compile(loss_func, fullgraph=True)(gen, tar, lambda_rho)
+    assert eager.item() > 0.01
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("full_scale, data_size, multiple", [(True, 32, 64), (True, 96, 64), (False, 48, 32)])
+def test_crop_sizes_that_do_not_divide_are_refused(full_scale, data_size, multiple):
+    params = _params(full_scale=full_scale, data_size=data_size)
+    with pytest.raises(UserError, match=f"data_size {data_size} is not divisible by {multiple}"):
+        check_unet_params(params)
+    with pytest.raises(UserError):
+        UNet(params)
+
+
+def test_unknown_conv_init_is_refused():
+    with pytest.raises(UserError, match="conv_init 'xavier' is unknown"):
+        UNet(_params(weight_init={"conv_init": "xavier", "conv_scale": 0.02, "conv_bias": 0.0}))
