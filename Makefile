@@ -30,10 +30,10 @@ demo: install $(DATA_DIR)/stats/global_stds.npy
 
 # the other stages on their sample data: 3D UNet (cosmology boxes), ResNet (CIFAR-100)
 demo-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
-	$(PY) train.py --yaml_config config/UNet.yaml --config demo --data_dir $(COSMO_DIR) --expdir logs --run_num $(RUN_NUM)
+	$(PY) train.py --yaml_config config/UNet.yaml --config demo --data_dir $(COSMO_DIR) --expdir logs/unet --run_num $(RUN_NUM)
 
 demo-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
-	$(PY) train.py --yaml_config config/ResNet50.yaml --config demo --data_dir $(CIFAR_DIR) --expdir logs --run_num $(RUN_NUM)
+	$(PY) train.py --yaml_config config/ResNet50.yaml --config demo --data_dir $(CIFAR_DIR) --expdir logs/resnet --run_num $(RUN_NUM)
 
 lint: install
 	$(PY) -m ruff check .

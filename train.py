@@ -104,9 +104,12 @@ def main(argv=None):
     checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
     resume_path = args.resume or (checkpoint_path if os.path.isfile(checkpoint_path) else None)
     checkpoint = load_checkpoint(resume_path) if resume_path and not params.enable_benchy else None
-    if checkpoint is not None and checkpoint["config_name"] != args.config:
-        raise UserError(f"checkpoint '{resume_path}' was written by config '{checkpoint['config_name']}', "
-                        f"not '{args.config}'; resume with the same --config or start a new --run_num")
+    if checkpoint is not None:
+        written_by = (checkpoint["config_name"], checkpoint["params"].get("model", "vit"))
+        if written_by != (args.config, params.get("model", "vit")):
+            raise UserError(f"checkpoint '{resume_path}' was written by config '{written_by[0]}' (model "
+                            f"{written_by[1]}), not '{args.config}' (model {params.get('model', 'vit')}); resume "
+                            "with the same --yaml_config and --config, or start a new --run_num or --expdir")
     if world_rank == 0:
         os.makedirs(os.path.join(exp_dir, "logs"), exist_ok=True)
         log_to_file(os.path.join(exp_dir, "out.log"))

@@ -1,4 +1,5 @@
-"""The step benchmark prints its three numbers and writes them as JSON. Failures point to utils/bench_step.py."""
+"""The benchmarks print their numbers and write them as JSON. Failures point to utils/bench_step.py or
+utils/bench_train.py."""
 import json
 
 import pytest
@@ -17,3 +18,18 @@ def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert results["flops_per_step"] > 0 and results["matmul_peak_tflops"] > 0
     assert results["mfu"] == pytest.approx(results["achieved_tflops"] / results["matmul_peak_tflops"])
+
+
+def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, capsys):
+    """Two variants on the tiny ViT: each must train (not resume the other's finished run) and be reported."""
+    from tests.conftest import REPO_ROOT
+    from utils import bench_train
+    monkeypatch.chdir(REPO_ROOT)
+    variants = [("baseline", ["--num_data_workers", "0"]), ("again", ["--num_data_workers", "0"])]
+    monkeypatch.setitem(bench_train.SUITES, "vit", ("config/ViT.yaml", "tiny", 64, variants))
+    out = tmp_path / "train.json"
+    bench_train.main(["--suite", "vit", "--config", "tiny", "--data_dir", era5_dir, "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["baseline", "again"]
+    assert all(row["samples_per_sec"] > 0 and row["measured_over"].startswith("epoch 2") for row in rows)
+    assert "| again |" in capsys.readouterr().out

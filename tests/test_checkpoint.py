@@ -95,4 +95,10 @@ def test_checkpoint_from_another_config_is_refused(era5_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--config", "demo", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--resume", checkpoint])
     assert exit_info.value.code == 2
-    assert "was written by config 'tiny', not 'demo'" in capsys.readouterr().err
+    assert "was written by config 'tiny' (model vit), not 'demo' (model vit)" in capsys.readouterr().err
+    unet_run = ["--yaml_config", "config/UNet.yaml", "--config", "tiny", "--data_dir", era5_dir, "--expdir",
+                str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:  # same config name, another model: refused before any data
+        train.main(unet_run)
+    assert exit_info.value.code == 2
+    assert "was written by config 'tiny' (model vit), not 'tiny' (model unet)" in capsys.readouterr().err

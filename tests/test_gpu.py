@@ -1,7 +1,9 @@
-"""CUDA-only paths (NCCL-free single GPU: bf16 autocast, fused Adam, NVTX ranges, the profiler window).
+"""CUDA-only paths (single GPU: bf16/fp16 autocast, fused optimizers, NVTX ranges, the profiler window, the
+benchmark mode, DataParallel with channels_last).
 
 Skipped without a GPU. A failure points to device handling in train.py, utils/comm.py or utils/profiling.py.
 """
+import json
 import os
 
 import pytest
@@ -19,7 +21,32 @@ def test_train_on_gpu_with_bf16_fused_and_profiler_window(era5_dir, tmp_path, mo
                 "--amp_mode", "bf16", "--enable_fused", "--profile_epoch", "1", "--profile_iters", "5"])
     run_dir = os.path.join(str(tmp_path), "tiny", "1GPU", "00")
     log = open(os.path.join(run_dir, "out.log")).read()
-    assert "datasheet" in log or "measured torch.bfloat16 matmul on cuda" in log
+    assert "datasheet" in log or "measured torch.bfloat16 and torch.float32 matmul on cuda" in log
     checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
     assert checkpoint["iteration"] == 140
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_unet_fp16_fused_benchmark_on_gpu(tmp_path, monkeypatch):
+    from utils.sample_cosmo import write_cosmo
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("BENCHY_OUTPUT", str(tmp_path / "bench"))
+    data = write_cosmo(tmp_path / "cosmo", verbose=False)
+    train.main(["--yaml_config", "config/UNet.yaml", "--config", "tiny", "--data_dir", str(data), "--expdir",
+                str(tmp_path), "--enable_amp", "--enable_apex", "--enable_benchy", "--benchy_nbatches", "4",
+                "--benchy_ntrials", "2", "--benchy_nwarmup", "1"])
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["device"].startswith("cuda") and results["FULL"]["mean"] > 0
+
+
+def test_resnet_dataparallel_channels_last_fp16_on_gpu(tmp_path, monkeypatch):
+    from utils.sample_images import write_cifar100
+    monkeypatch.chdir(REPO_ROOT)
+    data = write_cifar100(tmp_path / "cifar", train_per_class=4, test_per_class=1, verbose=False)
+    train.main(["--yaml_config", "config/ResNet50.yaml", "--config", "tiny", "--data_dir", str(data), "--expdir",
+                str(tmp_path), "--num_iters", "5", "--parallel", "dp", "--enable_nhwc", "--amp_mode", "fp16",
+                "--enable_fused"])
+    checkpoint = torch.load(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt"),
+                            weights_only=False)
+    assert checkpoint["iteration"] == 5 and checkpoint["scaler"]["scale"] > 0
+    assert all(torch.isfinite(v.float()).all() for v in checkpoint["model"].values())

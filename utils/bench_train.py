@@ -54,8 +54,7 @@ MFU_LINE = re.compile(r"Throughput per device: ([\d.]+) TFLOP/s, MFU ([\d.]+)%")
 
 def run_train(args, yaml_config, flags, workdir, env=None):
     command = [sys.executable, "train.py", "--yaml_config", yaml_config, "--config", args.config,
-               "--data_dir", args.data_dir, "--expdir", workdir, "--checkpoint_interval", "0",
-               "--run_num", str(len(os.listdir(workdir))), *flags]
+               "--data_dir", args.data_dir, "--expdir", workdir, "--checkpoint_interval", "0", *flags]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"error: train.py failed for {flags}:\n{result.stderr[-2000:]}")
@@ -79,7 +78,7 @@ def epoch_throughput(args, yaml_config, steps_per_epoch, flags, slow, workdir):
 
 def benchy_throughput(args, yaml_config, flags, workdir):
     """IO / SYNTHETIC / FULL samples/s from train.py --enable_benchy."""
-    out = os.path.join(workdir, f"benchy_{len(os.listdir(workdir))}")
+    out = os.path.join(workdir, "benchy")
     run_train(args, yaml_config, ["--enable_benchy", "--benchy_nbatches", str(args.benchy_nbatches),
                                   "--benchy_ntrials", "2", "--benchy_nwarmup", "1", *flags],
               workdir, env=dict(os.environ, BENCHY_OUTPUT=out))
@@ -104,16 +103,18 @@ def main(argv=None):
 
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        for name, flags in variants:
+        for index, (name, flags) in enumerate(variants):
             print(f"[bench_train] {args.suite}: {name} ...", flush=True)
+            variant_dir = os.path.join(workdir, str(index))  # a fresh run directory: nothing to resume
+            os.makedirs(variant_dir)
             row = {"variant": name, "flags": " ".join(flags)}
             if args.suite == "unet":
-                row.update(benchy_throughput(args, yaml_config, flags, workdir))
+                row.update(benchy_throughput(args, yaml_config, flags, variant_dir))
                 print("[bench_train]   " + ", ".join(f"{k} {row[k]['mean']:.2f}" for k in ("IO", "SYNTHETIC", "FULL"))
                       + " samples/s", flush=True)
             else:
                 slow = slow_precision and "bf16" in flags
-                row.update(epoch_throughput(args, yaml_config, steps_per_epoch, flags, slow, workdir))
+                row.update(epoch_throughput(args, yaml_config, steps_per_epoch, flags, slow, variant_dir))
                 print(f"[bench_train]   {row['samples_per_sec']:.2f} samples/s, MFU {row['mfu_percent']:.1f}%",
                       flush=True)
             rows.append(row)
