@@ -13,7 +13,8 @@
 #SBATCH -o %x-%j.out
 # Single GPU: sbatch submit_pm.sh --config=short
 # Profile:    ENABLE_PROFILING=1 PROFILE_OUTPUT=baseline sbatch -n1 -t 20 submit_pm.sh --config=short
-# Benchmark:  BENCHY_OUTPUT=lowmem_2w sbatch -n1 submit_pm.sh --yaml_config config/UNet.yaml --config=short --enable_benchy
+# Benchmark:  DATADIR=/path/to/cosmo BENCHY_OUTPUT=lowmem_2w sbatch -n1 submit_pm.sh --yaml_config config/UNet.yaml \
+#                 --config=short --enable_benchy
 #             (IO / SYNTHETIC / FULL samples/s, results in ./lowmem_2w.json)
 
 DATADIR=${DATADIR:-/pscratch/sd/s/shas1693/data/dl-at-scale-training-data}

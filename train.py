@@ -41,6 +41,10 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def all_reduce_mean(tensor):
+    return all_reduce_sum(tensor) / comm.get_world_size()
+
+
 def validate(model, valid_loader, to_device, loss_fn, metrics_fn, device, autocast):
     """Mean loss and metrics over the whole validation set (all ranks), and the last batch for a figure."""
     model.eval()
@@ -93,6 +97,8 @@ def main(argv=None):
                         "(no torchrun/srun tasks), or keep the default --parallel ddp")
     if args.desired_acc is not None and params.get("model") != "resnet":
         raise UserError("--desired_acc needs a classification model (config/ResNet50.yaml)")
+    if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
+        raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
     device = comm.get_device()
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = params.cudnn_benchmark
@@ -205,6 +211,8 @@ def main(argv=None):
                  f"per device ({peak_source})")
     profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=world_rank == 0)
     log_freq = params.get("log_freq")
+    # devices sharing the work: one per rank, or every visible GPU under DataParallel
+    num_devices = torch.cuda.device_count() if args.parallel == "dp" and device.type == "cuda" else world_size
 
     tboard_writer = SummaryWriter(log_dir=os.path.join(exp_dir, "logs")) if world_rank == 0 else None
     if start_iter == 0:
@@ -215,10 +223,11 @@ def main(argv=None):
         model.eval()  # measure only: no dropout, no BatchNorm statistics updated
         with torch.no_grad(), autocast:
             values = [loss_fn(model(inp), tar), loss_fn(val_gen := model(val_inp), val_tar)]
-            values += [m.float().mean() for m in metrics_fn(val_gen, val_tar).values()]
-        values = (all_reduce_sum(torch.stack(values).float()) / world_size).tolist()
+            val_metrics = metrics_fn(val_gen, val_tar)
+            values += [m.float().mean() for m in val_metrics.values()]
+        values = all_reduce_mean(torch.stack(values).float()).tolist()
         if tboard_writer is not None:
-            tags = ["Loss/train", "Loss/valid"] + list(metrics_fn(val_gen, val_tar))
+            tags = ["Loss/train", "Loss/valid"] + list(val_metrics)
             for tag, value in zip(tags, values):
                 tboard_writer.add_scalar(tag, value, 0)
 
@@ -258,14 +267,14 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         epoch_time = time.time() - epoch_start
-        train_loss = (all_reduce_sum(torch.stack(step_losses).float().mean()) / world_size).item()
-        train_means = {tag: (all_reduce_sum(torch.stack([m[tag] for m in step_metrics]).mean()) / world_size).item()
+        train_loss = all_reduce_mean(torch.stack(step_losses).float().mean()).item()
+        train_means = {tag: all_reduce_mean(torch.stack([m[tag] for m in step_metrics]).mean()).item()
                        for tag in step_metrics[0]}
 
         steps_run = len(step_losses)
         iters_per_sec = steps_run / epoch_time
         samples_per_sec = params.global_batch_size * iters_per_sec
-        achieved = flops_per_sample * samples_per_sec / world_size
+        achieved = flops_per_sample * samples_per_sec / num_devices
         logging.info(f"Time taken for epoch {epoch + 1} is {epoch_time:f} sec, avg {samples_per_sec:f} samples/sec")
         logging.info(f"  Avg train loss={train_loss:f}")
         logging.info(f"  Throughput per device: {achieved / 1e12:.4f} TFLOP/s, MFU {100 * achieved / peak:.1f}%")
@@ -280,7 +289,7 @@ def main(argv=None):
             logging.info(f"  train acc1={train_means['Accuracy/top1/train']:f}, "
                          f"valid acc1={val_means['Accuracy/top1/valid']:f}, "
                          f"valid acc5={val_means['Accuracy/top5/valid']:f}")
-        if params.lr_schedule == "plateau":
+        if params.lr_schedule == "plateau" and iters % steps_per_epoch == 0:  # whole epochs only (resume)
             scheduler.end_epoch(val_loss)
 
         if tboard_writer is not None:

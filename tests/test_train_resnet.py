@@ -146,3 +146,9 @@ def test_wrong_image_size_is_refused(tmp_path, capsys):
     assert exit_info.value.code == 2
     err_lines = [line for line in capsys.readouterr().err.splitlines() if " - root - " not in line]
     assert len(err_lines) == 1 and "wrong image size" in err_lines[0] and "train" in err_lines[0], err_lines
+
+
+def test_desired_acc_must_be_a_fraction(cifar_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_resnet(cifar_dir, tmp_path, "--desired_acc", "75")
+    assert exit_info.value.code == 2 and "give the top-1 accuracy as a fraction" in capsys.readouterr().err

@@ -9,12 +9,14 @@ import os
 import re
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
 from tests.conftest import REPO_ROOT, run_command
 from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
+from utils.optim import get_optimizer
 from utils.sample_cosmo import write_cosmo
 from utils.YParams import YParams
 
@@ -145,3 +147,18 @@ def test_benchmark_mode_vit_on_two_ranks(era5_dir, tmp_path, monkeypatch):
     read_benchmark(result.stderr, str(out) + ".json")
     assert json.load(open(str(out) + ".json"))["world_size"] == 2
     assert result.stderr.count("BENCHY::SUMMARY::IO") == 1  # rank 0 reports for the job
+
+
+@pytest.mark.parametrize("flags, changes, message", [
+    (["--num_epochs", "2", "--num_iters", "5"], {}, "--num_iters or --num_epochs, not both"),
+    (["--benchy_ntrials", "0"], {}, "benchy_ntrials is 0; it must be at least 1"),
+    ([], {"start_lr": 0.0}, "start_lr is 0; it must be positive"),
+    ([], {"start_lr": "2e-4"}, "start_lr is '2e-4'; it must be a number"),
+    ([], {"scaling": "cubic"}, "scaling 'cubic' is unknown"),
+    ([], {"warmup_steps": None}, "warmup_steps is None"),
+])
+def test_bad_unet_settings_are_one_clear_line(flags, changes, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        params, _ = overridden("bs256_opt", ["--data_loader_config", "lowmem", *flags], dp_size=4)
+        params.lr_schedule = {**params.lr_schedule, **changes}
+        get_optimizer(params, torch.nn.Linear(1, 1))

@@ -24,11 +24,11 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _slowest(seconds):
+def _slowest(seconds, device):
     """The largest of every rank's `seconds` (the job is as fast as its slowest rank)."""
     if not dist.is_initialized():
         return seconds
-    value = torch.tensor([seconds], dtype=torch.float64)
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
 
@@ -53,10 +53,10 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
             _sync(device)
             now = time.perf_counter()
             window = n % REPORT_FREQ or REPORT_FREQ
-            window_rates.append(window * global_batch_size / _slowest(now - window_start))
+            window_rates.append(window * global_batch_size / _slowest(now - window_start, device))
             logging.info(f"BENCHY::{label}::Iteration Throughput: {window_rates[-1]:.3f}")
             window_start = now
-    trial_rate = nbatches * global_batch_size / _slowest(time.perf_counter() - start)
+    trial_rate = nbatches * global_batch_size / _slowest(time.perf_counter() - start, device)
     logging.info(f"BENCHY::{label}::Average Iteration Throughput: {statistics.mean(window_rates):.3f}")
     logging.info(f"BENCHY::{label}::Trial Throughput: {trial_rate:.3f}")
     return trial_rate
@@ -64,9 +64,7 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
 
 def run_benchmarks(params, train_loader, train_sampler, to_device, train_step, device, out_path):
     """IO, SYNTHETIC and FULL trials; summary lines, and `out_path` (JSON) written by rank 0."""
-    nbatches = params.get("benchy_nbatches") or 50
-    ntrials = params.get("benchy_ntrials") or 2
-    nwarmup = params.get("benchy_nwarmup") if params.get("benchy_nwarmup") is not None else 2
+    nbatches, ntrials, nwarmup = params.benchy_nbatches, params.benchy_ntrials, params.benchy_nwarmup
     batches = endless_batches(train_loader, train_sampler)
     fixed_batch = to_device(*next(batches))
 

@@ -20,7 +20,7 @@ def training_parser(description):
     add("--enable_fused", action=argparse.BooleanOptionalAction, default=None, help="fused optimizer kernels")
     add("--enable_jit", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     add("--enable_nhwc", action=argparse.BooleanOptionalAction, default=None,
-        help="channels_last memory format for 2D image models and their inputs")
+        help="channels_last memory format for conv models (NHWC, NDHWC for 3D) and their inputs")
     add("--local_batch_size", type=int, default=None, help="per-rank batch; sets global = ranks x local")
     add("--num_iters", type=int, default=None, help="total training iterations")
     add("--num_epochs", type=int, default=None, help="total training epochs (instead of num_iters)")
@@ -73,6 +73,8 @@ def apply_overrides(params, args, dp_size, dp_rank):
         args.amp_mode = args.amp_mode or "fp16"
     if args.enable_apex:
         args.enable_fused = True
+    if args.num_epochs is not None and args.num_iters is not None:
+        raise UserError("give the run length once: --num_iters or --num_epochs, not both")
     if args.num_epochs is not None:  # an explicit length in epochs replaces the config's num_iters
         params.num_iters = None
     for key in ("amp_mode", "enable_fused", "enable_jit", "enable_nhwc", "num_iters", "num_epochs",
@@ -92,6 +94,10 @@ def apply_overrides(params, args, dp_size, dp_rank):
     params.setdefault("enable_jit", False)
     params.setdefault("enable_nhwc", False)
     params.setdefault("enable_benchy", False)
+    for key, default, minimum in (("benchy_nbatches", 50, 1), ("benchy_ntrials", 2, 1), ("benchy_nwarmup", 2, 0)):
+        params.setdefault(key, default)
+        if params[key] < minimum:
+            raise UserError(f"{key} is {params[key]}; it must be at least {minimum}")
     # cudnn autotuning: on, except where a config keeps it for its "extra opts" step (ResNet baseline)
     params.cudnn_benchmark = bool(params.get("enable_extra_opts", True))
 
@@ -117,7 +123,7 @@ def apply_overrides(params, args, dp_size, dp_rank):
     else:
         params.local_batch_size = params.global_batch_size // dp_size
 
-    if args.enable_benchy and args.enable_manual_profiling:
+    if params.enable_benchy and args.enable_manual_profiling:
         raise UserError("Enable either benchy profiling or manual profiling, not both.")
     if args.enable_manual_profiling:
         args.profile_epoch, args.profile_iters = 1, 60

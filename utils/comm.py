@@ -63,6 +63,15 @@ def init():
     return get_world_size(), get_world_rank(), get_local_rank()
 
 
+def broadcast_from_rank0(obj):
+    """Rank 0's `obj` on every rank (a picklable Python object); also a barrier."""
+    if not dist.is_initialized():
+        return obj
+    objects = [obj]
+    dist.broadcast_object_list(objects, src=0)
+    return objects[0]
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -129,10 +129,18 @@ def get_dataset(params, train):
         return CosmoDataset(params, train)
     if name in ("cifar100", "imagefolder"):
         from utils.data_loader_images import get_image_dataset
-        if params.data_shard_id == 0:  # rank 0 first: it may download CIFAR-100 (when the config allows)
-            dataset = get_image_dataset(params, train, download_ok=True)
-        comm.barrier()
-        return dataset if params.data_shard_id == 0 else get_image_dataset(params, train, download_ok=False)
+        # rank 0 first: it may download CIFAR-100 (when the config allows); if it fails, every rank stops
+        # with its message instead of waiting for it forever
+        dataset, error = None, None
+        if params.data_shard_id == 0:
+            try:
+                dataset = get_image_dataset(params, train, download_ok=True)
+            except UserError as err:
+                error = str(err)
+        error = comm.broadcast_from_rank0(error)
+        if error:
+            raise UserError(error)
+        return dataset if dataset is not None else get_image_dataset(params, train, download_ok=False)
     raise UserError(f"dataset '{name}' is unknown; choose one of: era5, cosmo, cifar100, imagefolder")
 
 

@@ -14,12 +14,31 @@ def initial_lr(params):
     """The peak learning rate: `lr`, or for the UNet stage's `lr_schedule` map start_lr scaled by batch size."""
     schedule = params.lr_schedule
     if not isinstance(schedule, dict):
+        if not isinstance(params.get("lr"), (int, float)) or params.lr <= 0:
+            raise UserError(f"lr is {params.get('lr')}; set a positive number (or an lr_schedule map)")
         return params.lr
+    check_lr_schedule_map(params)
     ratio = params.global_batch_size / params.base_batch_size
     scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
-    if schedule["scaling"] not in scale:
-        raise UserError(f"lr_schedule scaling '{schedule['scaling']}' is unknown; choose one of: none, linear, sqrt")
     return schedule["start_lr"] * scale[schedule["scaling"]]
+
+
+def check_lr_schedule_map(params):
+    """The UNet stage's map: every key present, numbers where numbers belong, start_lr > 0."""
+    schedule = params.lr_schedule
+    missing = [key for key in ("scaling", "start_lr", "end_lr", "warmup_steps") if key not in schedule]
+    if missing:
+        raise UserError(f"lr_schedule lacks {', '.join(missing)}; give scaling, start_lr, end_lr and warmup_steps")
+    if schedule["scaling"] not in ("none", "linear", "sqrt"):
+        raise UserError(f"lr_schedule scaling '{schedule['scaling']}' is unknown; choose one of: none, linear, sqrt")
+    for key in ("start_lr", "end_lr", "warmup_steps"):
+        if not isinstance(schedule[key], (int, float)) or schedule[key] < 0:
+            raise UserError(f"lr_schedule {key} is {schedule[key]!r}; it must be a number >= 0, "
+                            "not a quoted string")
+    if schedule["start_lr"] <= 0:
+        raise UserError("lr_schedule start_lr is 0; it must be positive")
+    if not isinstance(params.get("base_batch_size"), int) or params.base_batch_size < 1:
+        raise UserError("the lr_schedule map scales by global_batch_size / base_batch_size; set base_batch_size")
 
 
 def get_optimizer(params, model):
@@ -30,8 +49,8 @@ def get_optimizer(params, model):
         return torch.optim.Adam(model.parameters(), lr=initial_lr(params),
                                 betas=tuple(params.get("adam_betas", (0.9, 0.95))), fused=fused)
     if name == "SGD":
-        return torch.optim.SGD(model.parameters(), lr=initial_lr(params), momentum=params.momentum,
-                               weight_decay=params.weight_decay, fused=fused)
+        return torch.optim.SGD(model.parameters(), lr=initial_lr(params), momentum=params.get("momentum", 0.9),
+                               weight_decay=params.get("weight_decay", 0.0), fused=fused)
     raise UserError(f"optimizer '{name}' is unknown; choose one of: Adam, SGD")
 
 
@@ -108,7 +127,7 @@ def get_lr_scheduler(params, optimizer, steps_per_epoch):
     if isinstance(name, dict):
         factor = unet_schedule(params, params.num_iters)
     elif name == "cosine":
-        factor = cosine_with_warmup(params.warmup, params.num_iters)
+        factor = cosine_with_warmup(params.get("warmup", 0), params.num_iters)
     elif name == "constant":
         def factor(x):
             return 1.0

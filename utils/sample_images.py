@@ -317,7 +317,7 @@ def add_cifar100_parser(subparsers):
     parser = subparsers.add_parser(
         "cifar100", help="synthetic CIFAR-100 (cifar-100-python/{train,test,meta}, torchvision's format)",
         description="Write CIFAR-100 pickles with learnable content: each of the 100 classes is one "
-                    "shape x colour combination. Train with --data_dir set to the parent of --out.",
+                    "shape x colour combination. Train with --data_dir set to --out.",
     )
     parser.add_argument("--out", required=True, help="output folder (cifar-100-python/ is created inside)")
     parser.add_argument("--train_per_class", type=int, default=50, help="training images per class (default 50)")
