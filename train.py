@@ -74,6 +74,14 @@ def set_train_mode(model, freeze_bn):
                 module.eval()
 
 
+def finish_run(world_rank):
+    """The last lines of every run: wait for all ranks, say done, leave the process group."""
+    comm.barrier()
+    logging.info(f"DONE ---- rank {world_rank}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def checkpoint_state(model, optimizer, scheduler, scaler, iters, params):
     """Everything a run needs to continue exactly: weights, optimizer, schedule, scaler, RNG of every rank."""
     rng_states = [get_rng_states()]
@@ -170,6 +178,7 @@ def main(argv=None):
     metrics_fn = get_valid_metrics(params)
     train_metrics_fn = get_train_metrics(params)
     autocast = torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled)
+    freeze_bn = params.get("freeze_bn", False)
 
     def to_device(inp, tar):
         inp = inp.to(device, non_blocking=True)
@@ -192,14 +201,11 @@ def main(argv=None):
         return gen, loss
 
     if params.enable_benchy:
-        set_train_mode(model, params.get("freeze_bn", False))
+        set_train_mode(model, freeze_bn)
         out_path = (os.environ["BENCHY_OUTPUT"] + ".json" if os.environ.get("BENCHY_OUTPUT")
                     else os.path.join(exp_dir, "benchy_output.json"))
         run_benchmarks(params, train_loader, train_sampler, to_device, train_step, device, out_path)
-        comm.barrier()
-        logging.info(f"DONE ---- rank {world_rank}")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_run(world_rank)
         return
 
     num_iters = params.num_iters
@@ -236,9 +242,8 @@ def main(argv=None):
     while iters < stop_iter:
         epoch, first_step = divmod(iters, steps_per_epoch)
         train_sampler.set_epoch(epoch, skip=first_step * local_bs)  # resume at the same data position
-        set_train_mode(model, params.get("freeze_bn", False))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        set_train_mode(model, freeze_bn)
+        comm.synchronize(device)
         epoch_start = report_start = time.time()
         step_losses, step_metrics = [], []
         for i, (inp, tar) in enumerate(train_loader, start=first_step):
@@ -251,8 +256,7 @@ def main(argv=None):
             step_metrics.append({tag: value.mean() for tag, value in train_metrics_fn(gen.detach(), tar).items()})
             iters += 1
             if log_freq and i > first_step and i % log_freq == 0:  # the ResNet stage's progress line
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                comm.synchronize(device)
                 now = time.time()
                 logging.info(f"Epoch: {epoch + 1}, Iteration: {i}, "
                              f"Avg img/sec: {log_freq * params.global_batch_size / (now - report_start):.2f}")
@@ -264,8 +268,7 @@ def main(argv=None):
             if iters >= stop_iter:
                 break
         profiler_window.end_epoch()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        comm.synchronize(device)
         epoch_time = time.time() - epoch_start
         train_loss = all_reduce_mean(torch.stack(step_losses).float().mean()).item()
         train_means = {tag: all_reduce_mean(torch.stack([m[tag] for m in step_metrics]).mean()).item()
@@ -316,10 +319,7 @@ def main(argv=None):
     if tboard_writer is not None:
         tboard_writer.close()
         logging.info(f"TensorBoard logs: {os.path.join(exp_dir, 'logs')}  (tensorboard --logdir {exp_dir})")
-    comm.barrier()
-    logging.info(f"DONE ---- rank {world_rank}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish_run(world_rank)
 
 
 if __name__ == "__main__":

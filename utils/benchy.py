@@ -16,12 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from utils import comm
+
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _slowest(seconds, device):
@@ -45,12 +42,12 @@ def endless_batches(loader, sampler):
 def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
     """Run `process_one_batch` nbatches times; log and return the job's samples/s."""
     window_rates = []
-    _sync(device)
+    comm.synchronize(device)
     start = window_start = time.perf_counter()
     for n in range(1, nbatches + 1):
         process_one_batch()
         if n % REPORT_FREQ == 0 or n == nbatches:
-            _sync(device)
+            comm.synchronize(device)
             now = time.perf_counter()
             window = n % REPORT_FREQ or REPORT_FREQ
             window_rates.append(window * global_batch_size / _slowest(now - window_start, device))

@@ -72,6 +72,12 @@ def broadcast_from_rank0(obj):
     return objects[0]
 
 
+def synchronize(device):
+    """Wait for the device's queued work (CUDA kernels run asynchronously): needed before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
