@@ -45,16 +45,16 @@ test: lint
 bench: bench-step bench-train bench-unet bench-resnet
 
 bench-step: install
-	$(PY) -m utils.bench_step --out bench_results/vit_step_cpu.json
+	$(PY) -m benchmarks.bench_step --out bench_results/vit_step_cpu.json
 
 bench-train: install $(DATA_DIR)/stats/global_stds.npy
-	$(PY) -m utils.bench_train --suite vit --data_dir $(DATA_DIR) --out bench_results/train_demo.json
+	$(PY) -m benchmarks.bench_train --suite vit --data_dir $(DATA_DIR) --out bench_results/train_demo.json
 
 bench-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
-	$(PY) -m utils.bench_train --suite unet --data_dir $(COSMO_DIR) --out bench_results/unet_demo.json
+	$(PY) -m benchmarks.bench_train --suite unet --data_dir $(COSMO_DIR) --out bench_results/unet_demo.json
 
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
-	$(PY) -m utils.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json
+	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json
 
 clean:
 	rm -rf logs __pycache__ */__pycache__ .pytest_cache

@@ -58,20 +58,20 @@ class UNet(nn.Module):
         self.full_scale = params.full_scale
 
         # channel ladder base, 2b, 4b, 8b, 8b(, 8b): 64 gives the tutorial's 4-64-128-256-512-512(-512)
-        self.down1 = down_conv(in_channels, base)
-        self.down2 = down_conv(base, 2 * base)
-        self.down3 = down_conv(2 * base, 4 * base)
-        self.down4 = down_conv(4 * base, 8 * base)
-        self.down5 = down_conv(8 * base, 8 * base)
+        self.conv_down1 = down_conv(in_channels, base)
+        self.conv_down2 = down_conv(base, 2 * base)
+        self.conv_down3 = down_conv(2 * base, 4 * base)
+        self.conv_down4 = down_conv(4 * base, 8 * base)
+        self.conv_down5 = down_conv(8 * base, 8 * base)
         if self.full_scale:
-            self.down6 = down_conv(8 * base, 8 * base)
-            self.up6 = up_conv(8 * base, 8 * base)
-            self.up5 = up_conv(16 * base, 8 * base)  # takes [up6, down5]
+            self.conv_down6 = down_conv(8 * base, 8 * base)
+            self.conv_up6 = up_conv(8 * base, 8 * base)
+            self.conv_up5 = up_conv(16 * base, 8 * base)  # takes [conv_up6, conv_down5]
         else:
-            self.up5 = up_conv(8 * base, 8 * base)  # takes down5 directly
-        self.up4 = up_conv(16 * base, 4 * base)
-        self.up3 = up_conv(8 * base, 2 * base)
-        self.up2 = up_conv(4 * base, base)
+            self.conv_up5 = up_conv(8 * base, 8 * base)  # takes conv_down5 directly
+        self.conv_up4 = up_conv(16 * base, 4 * base)
+        self.conv_up3 = up_conv(8 * base, 2 * base)
+        self.conv_up2 = up_conv(4 * base, base)
         self.conv_last = nn.ConvTranspose3d(2 * base, out_channels, kernel_size=4, stride=2, padding=1)
 
         self.init_weights(params.get("weight_init", DEFAULT_WEIGHT_INIT))
@@ -87,19 +87,19 @@ class UNet(nn.Module):
                     nn.init.constant_(module.bias, conv_bias)
 
     def forward(self, x):
-        d1 = self.down1(x)
-        d2 = self.down2(d1)
-        d3 = self.down3(d2)
-        d4 = self.down4(d3)
-        d5 = self.down5(d4)
+        d1 = self.conv_down1(x)
+        d2 = self.conv_down2(d1)
+        d3 = self.conv_down3(d2)
+        d4 = self.conv_down4(d3)
+        d5 = self.conv_down5(d4)
         if self.full_scale:
-            x = torch.cat([self.up6(self.down6(d5)), d5], dim=1)
+            x = torch.cat([self.conv_up6(self.conv_down6(d5)), d5], dim=1)
         else:
             x = d5
-        x = torch.cat([self.up5(x), d4], dim=1)
-        x = torch.cat([self.up4(x), d3], dim=1)
-        x = torch.cat([self.up3(x), d2], dim=1)
-        x = torch.cat([self.up2(x), d1], dim=1)
+        x = torch.cat([self.conv_up5(x), d4], dim=1)
+        x = torch.cat([self.conv_up4(x), d3], dim=1)
+        x = torch.cat([self.conv_up3(x), d2], dim=1)
+        x = torch.cat([self.conv_up2(x), d1], dim=1)
         return torch.tanh(self.conv_last(x))
 
 

@@ -9,7 +9,14 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from utils.sample_data import write_era5  # noqa: E402
+from utils.sample_data.era5 import write_era5  # noqa: E402
+
+
+@pytest.fixture
+def in_repo_root(monkeypatch):
+    """Run a test from the repository root (configs are read by relative path), as a single process."""
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 @pytest.fixture(scope="session")

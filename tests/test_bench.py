@@ -1,10 +1,10 @@
-"""The benchmarks print their numbers and write them as JSON. Failures point to utils/bench_step.py or
-utils/bench_train.py."""
+"""The benchmarks print their numbers and write them as JSON. Failures point to benchmarks/bench_step.py or
+benchmarks/bench_train.py."""
 import json
 
 import pytest
 
-from utils import bench_step
+from benchmarks import bench_step
 
 
 def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
@@ -22,8 +22,8 @@ def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
 
 def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, capsys):
     """Two variants on the tiny ViT: each must train (not resume the other's finished run) and be reported."""
+    from benchmarks import bench_train
     from tests.conftest import REPO_ROOT
-    from utils import bench_train
     monkeypatch.chdir(REPO_ROOT)
     variants = [("baseline", ["--num_data_workers", "0"]), ("again", ["--num_data_workers", "0"])]
     monkeypatch.setitem(bench_train.SUITES, "vit", ("config/ViT.yaml", "tiny", 64, variants))

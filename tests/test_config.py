@@ -11,10 +11,7 @@ ORIGINAL_CONFIGS = ["base", "short", "short_opt", "opt", "bs16_opt", "bs32_opt",
                     "bs256_opt", "bs512_opt", "bs1024_opt", "bs2048_opt", "mp", "mp_bs16", "mp_bs32", "mp_patch4"]
 
 
-@pytest.fixture(autouse=True)
-def in_repo_root(monkeypatch):
-    from tests.conftest import REPO_ROOT
-    monkeypatch.chdir(REPO_ROOT)
+pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
 @pytest.mark.parametrize("name", ORIGINAL_CONFIGS + ["demo", "tiny"])

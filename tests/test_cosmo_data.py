@@ -1,6 +1,6 @@
 """Cosmology sample data, the .npy converter and the crop dataset.
 
-Failures point to: utils/sample_cosmo.py (file layout, dtype, determinism, overwrite guard, value ranges),
+Failures point to: utils/sample_data/cosmo.py (file layout, dtype, determinism, overwrite guard, value ranges),
 utils/convert_to_npy.py (channels-last copies, CLI errors), utils/data_loader_cosmo.py (crop rule, RNG per
 rank/worker, deterministic validation, the rotation group and input/target getting the same transform).
 """
@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 import utils.convert_to_npy as convert_to_npy
 from utils.data_loader_cosmo import ROTATIONS, CosmoDataset, rotate
 from utils.errors import UserError
-from utils.sample_cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
-from utils.sample_data import SampleDataError
+from utils.sample_data.common import SampleDataError
+from utils.sample_data.cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
 from utils.YParams import YParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Tests for utils/sample_images.py and utils/data_loader_images.py: a failure here means the
+"""Tests for utils/sample_data/images.py and utils/data_loader_images.py: a failure here means the
 generated CIFAR-100 / ImageFolder data no longer match the real on-disk formats, are not reproducible
 or not learnable, the md5 check accepts corrupted files (or refuses verified ones), the datasets yield
 wrong tensors or labels, or a bad input ends in a traceback instead of a one-line UserError."""
@@ -15,13 +15,12 @@ import torch
 import torchvision
 from PIL import Image
 
-from utils.data_loader_images import cifar100_files_verified, get_image_dataset, sample_shape
+from utils.data_loader_images import CIFAR100_MANIFEST, cifar100_files_verified, get_image_dataset, sample_shape
 from utils.errors import ArgumentParser, UserError
-from utils.sample_data import SampleDataError
-from utils.sample_images import (
+from utils.sample_data.common import SampleDataError
+from utils.sample_data.images import (
     CIFAR100_COARSE_NAMES,
     CIFAR100_FINE_NAMES,
-    CIFAR100_MANIFEST,
     FINE_TO_COARSE,
     SHAPES,
     add_cifar100_parser,

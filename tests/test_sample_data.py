@@ -1,4 +1,4 @@
-"""Tests for utils/sample_data.py: a failure here means the synthetic ERA5 files no
+"""Tests for utils/sample_data/era5.py: a failure here means the synthetic ERA5 files no
 longer match the on-disk format the tutorials read, are not reproducible, or stopped
 being learnable (no predictable dynamics beyond persistence)."""
 
@@ -10,12 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from utils.sample_data import (
-    ERA5_CHANNELS,
-    SampleDataError,
-    persistence_error,
-    write_era5,
-)
+from utils.sample_data.common import SampleDataError
+from utils.sample_data.era5 import ERA5_CHANNELS, persistence_error, write_era5
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

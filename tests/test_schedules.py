@@ -9,13 +9,10 @@ from utils.cli import apply_overrides, training_parser
 from utils.optim import get_lr_scheduler, get_optimizer
 from utils.YParams import YParams
 
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of")  # no optimizer steps here
-
-
-@pytest.fixture(autouse=True)
-def in_repo_root(monkeypatch):
-    from tests.conftest import REPO_ROOT
-    monkeypatch.chdir(REPO_ROOT)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Detected call of"),  # no optimizer steps here
+    pytest.mark.usefixtures("in_repo_root"),
+]
 
 
 def lrs_of(yaml, config, steps_per_epoch, flags=(), dp_size=1):

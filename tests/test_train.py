@@ -12,11 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from tests.conftest import REPO_ROOT, run_command
 
-
-@pytest.fixture(autouse=True)
-def in_repo_root(monkeypatch):
-    monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
 def run_train(era5_dir, expdir, *flags, config="tiny"):
@@ -97,10 +93,13 @@ def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
 
 
 def test_enable_jit_compiles_a_tiny_model(era5_dir, tmp_path):
+    from torch._dynamo.utils import counters
+    counters.clear()
     run_dir = run_train(era5_dir, tmp_path, "--num_iters", "4", "--enable_jit")
     with open(os.path.join(run_dir, "out.log")) as log_file:
         log = log_file.read()
     assert "enable_jit True" in log and "DONE ---- rank 0" in log
+    assert counters["stats"]["unique_graphs"] >= 1  # torch.compile really traced the model
 
 
 def write_yaml(tmp_path, **changes):

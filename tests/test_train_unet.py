@@ -13,11 +13,11 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from tests.conftest import REPO_ROOT, run_command
+from tests.conftest import run_command
 from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
 from utils.optim import get_optimizer
-from utils.sample_cosmo import write_cosmo
+from utils.sample_data.cosmo import write_cosmo
 from utils.YParams import YParams
 
 UNET_YAML = "config/UNet.yaml"
@@ -25,10 +25,7 @@ ORIGINAL_CONFIGS = ["base", "short", "short_opt", "bs64_opt", "bs256_opt", "bs51
                     "bs8192_opt"]
 
 
-@pytest.fixture(autouse=True)
-def in_repo_root(monkeypatch):
-    monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +90,8 @@ def test_unet_cpu_run_learns(cosmo_dir, tmp_path):
 @pytest.mark.parametrize("loader", ["synthetic", "inmem"])
 def test_other_loader_configs_train(cosmo_dir, tmp_path, loader):
     run_dir = run_unet(cosmo_dir, tmp_path, "--data_loader_config", loader, "--num_iters", "3")
-    assert f"data loader initialized with config {loader}" in open(os.path.join(run_dir, "out.log")).read()
+    log = open(os.path.join(run_dir, "out.log")).read()
+    assert f"Cosmo train data ({loader})" in log and f"Cosmo valid data ({loader})" in log  # the dataset's own line
 
 
 def test_dali_loader_is_refused_until_it_lands(cosmo_dir, tmp_path, capsys):

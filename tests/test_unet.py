@@ -30,6 +30,14 @@ def test_full_size_forward_on_meta():
     assert out.shape == (2, 5, 64, 64, 64)
 
 
+def test_state_dict_names_match_the_original_tutorial():
+    """Failure: a submodule was renamed, so a checkpoint of the original sc21 tutorial no longer loads by name."""
+    with torch.device("meta"):
+        model = UNet(_params("base", full_scale=True))
+    prefixes = {key.split(".")[0] for key in model.state_dict()}
+    assert prefixes == {*(f"conv_down{i}" for i in range(1, 7)), *(f"conv_up{i}" for i in range(2, 7)), "conv_last"}
+
+
 @pytest.mark.parametrize("full_scale, data_size", [(False, 32), (True, 64)])
 def test_output_shape_and_tanh_range(full_scale, data_size):
     torch.manual_seed(0)
@@ -45,7 +53,7 @@ def test_init_follows_weight_init():
     torch.manual_seed(0)
     model = UNet(_params(base_channels=8))
     convs = [m for m in model.modules() if isinstance(m, (torch.nn.Conv3d, torch.nn.ConvTranspose3d))]
-    assert len(convs) == 10  # 5 down, up5..up2, conv_last
+    assert len(convs) == 10  # conv_down1..5, conv_up5..2, conv_last
     weights = torch.cat([m.weight.flatten() for m in convs])
     assert weights.numel() > 500_000
     assert weights.std().item() == pytest.approx(0.02, rel=0.02)

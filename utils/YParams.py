@@ -1,8 +1,9 @@
 """Named configs from a YAML file (ruamel.yaml, anchors and merge keys resolved)."""
+import glob
 import logging
 import os
 
-from ruamel.yaml import YAML
+from ruamel.yaml import YAML, YAMLError
 
 from utils.errors import UserError
 
@@ -24,6 +25,40 @@ def _to_plain(value):
     return value
 
 
+def read_configs(yaml_filename):
+    """The file's named configs as a mapping (empty for an empty file); a syntax error names file and line."""
+    try:
+        with open(yaml_filename) as yaml_file:
+            all_configs = YAML().load(yaml_file)
+    except YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"YAML config file '{yaml_filename}' has a syntax error{where}: {problem}") from None
+    if all_configs is None:
+        return {}
+    if not isinstance(all_configs, dict):
+        raise UserError(f"YAML config file '{yaml_filename}' is not a mapping of named configs "
+                        "(name: {key: value, ...})")
+    return all_configs
+
+
+def _files_holding(config_name, yaml_filename):
+    """Other YAML files (beside this one, and in the repository's config/) that define `config_name`."""
+    folders = {os.path.dirname(os.path.abspath(yaml_filename)),
+               os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")}
+    found = []
+    for path in sorted({p for folder in folders for p in glob.glob(os.path.join(folder, "*.yaml"))}):
+        if os.path.samefile(path, yaml_filename):
+            continue
+        try:
+            if config_name in read_configs(path):
+                found.append(os.path.relpath(path))
+        except UserError:  # a broken neighbour is not this run's problem
+            continue
+    return found
+
+
 class YParams:
     """The config `config_name` of `yaml_filename`: read as `params.key` or `params["key"]`."""
 
@@ -33,9 +68,15 @@ class YParams:
         if not os.path.isfile(yaml_filename):
             raise UserError(f"YAML config file '{yaml_filename}' not found; pass an existing file "
                             "with --yaml_config (e.g. config/ViT.yaml)")
-        with open(yaml_filename) as yaml_file:
-            all_configs = YAML().load(yaml_file) or {}
+        all_configs = read_configs(yaml_filename)
+        if not all_configs:
+            raise UserError(f"YAML config file '{yaml_filename}' holds no configs; add a named config "
+                            "(e.g. `short:` with its keys) or pass another --yaml_config")
         if config_name not in all_configs:
+            elsewhere = _files_holding(config_name, yaml_filename)
+            if elsewhere:
+                raise UserError(f"config '{config_name}' is in {elsewhere[0]}, not {yaml_filename}; "
+                                f"add --yaml_config {elsewhere[0]}")
             raise UserError(f"config '{config_name}' is not in {yaml_filename}; "
                             f"choose one of: {', '.join(all_configs)}")
         self.__dict__["params"] = _to_plain(dict(all_configs[config_name]))

@@ -5,9 +5,9 @@ Three benchmarks, each `nwarmup` warm-up trials then `ntrials` timed trials of `
   SYNTHETIC  the training step fed one batch kept on the device (compute only)
   FULL       normal training: loader, copy to the device, step
 Rates are samples/s of the whole job: global batch x batches / the slowest rank's time. Lines follow
-benchy's (`BENCHY::SUMMARY::IO average trial throughput: A +/- S`); results go to a JSON file.
+benchy's (`BENCHY::SUMMARY::IO average trial throughput: A +/- S`); results go to a JSON file, with the MFU of
+the compute trials and this rank's peak memory. The training step never advances the LR schedule.
 """
-import json
 import logging
 import os
 import statistics
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from utils import comm
+from utils.atomic import write_json
+from utils.profiling import peak_memory_gb
 
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
 
@@ -30,11 +32,18 @@ def _slowest(seconds, device):
     return value.item()
 
 
-def endless_batches(loader, sampler):
+def benchy_output_path(run_dir):
+    """$BENCHY_OUTPUT.json if set (the submit scripts' convention), else benchy_output.json in the run directory."""
+    if os.environ.get("BENCHY_OUTPUT"):
+        return os.environ["BENCHY_OUTPUT"] + ".json"
+    return os.path.join(run_dir, "benchy_output.json")
+
+
+def endless_batches(loader):
     """The loader's batches, epoch after epoch."""
     epoch = 0
     while True:
-        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)
         yield from loader
         epoch += 1
 
@@ -59,10 +68,14 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
     return trial_rate
 
 
-def run_benchmarks(params, train_loader, train_sampler, to_device, train_step, device, out_path):
-    """IO, SYNTHETIC and FULL trials; summary lines, and `out_path` (JSON) written by rank 0."""
+def run_benchmarks(params, train_loader, to_device, train_step, device, out_path, flops_per_sample, peak,
+                   num_devices):
+    """IO, SYNTHETIC and FULL trials; summary lines, and `out_path` (JSON) written by rank 0.
+
+    `train_step(inp, tar)` is one optimisation step; MFU is per device (`num_devices` share the work) against
+    `peak` (utils.flops.Peak)."""
     nbatches, ntrials, nwarmup = params.benchy_nbatches, params.benchy_ntrials, params.benchy_nwarmup
-    batches = endless_batches(train_loader, train_sampler)
+    batches = endless_batches(train_loader)
     fixed_batch = to_device(*next(batches))
 
     benchmarks = {
@@ -71,7 +84,7 @@ def run_benchmarks(params, train_loader, train_sampler, to_device, train_step, d
         "FULL": lambda: train_step(*to_device(*next(batches))),
     }
     results = {"config": params.config_name,
-               "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+               "world_size": dist.get_world_size() if dist.is_initialized() else 1, "dp_size": comm.get_size("dp"),
                "global_batch_size": params.global_batch_size, "nbatches": nbatches, "ntrials": ntrials,
                "nwarmup": nwarmup, "device": str(device)}
     for name, process_one_batch in benchmarks.items():
@@ -81,14 +94,18 @@ def run_benchmarks(params, train_loader, train_sampler, to_device, train_step, d
                  for trial in range(ntrials)]
         results[name] = {"trial_throughputs": rates, "mean": statistics.mean(rates),
                          "std": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+        if name != "IO":
+            achieved = flops_per_sample * results[name]["mean"] / num_devices
+            results[name].update({"tflops_per_device": achieved / 1e12, "mfu": peak.mfu(achieved)})
+    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device)})
 
     for name in benchmarks:  # upstream's spelling, space before SYNTHETIC included
         spacer = " " if name == "SYNTHETIC" else ""
         logging.info(f"BENCHY::SUMMARY::{spacer}{name} average trial throughput: "
                      f"{results[name]['mean']:.3f} +/- {results[name]['std']:.3f}")
+    logging.info(f"BENCHY::SUMMARY::FULL MFU {100 * results['FULL']['mfu']:.1f}% ({peak.describe()}); "
+                     f"peak memory {results['peak_memory_gb']:.2f} GB")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(out_path, results)
         logging.info(f"BENCHY::results written to {out_path}")
     return results

@@ -12,6 +12,10 @@ AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 def training_parser(description):
     parser = ArgumentParser(description=description)
     add = parser.add_argument
+    add("--local_rank", "--local-rank", type=int, default=None,
+        help="set by `python -m torch.distributed.launch`; LOCAL_RANK from the environment wins")
+    add("--dist_timeout", type=float, default=600,
+        help="seconds a rank waits for the others to join the process group before giving up")
     add("--run_num", type=str, default="00", help="tag for the experiment (leaf folder of the run directory)")
     add("--yaml_config", type=str, default="./config/ViT.yaml", help="YAML file of named configs")
     add("--config", type=str, default="base", help="name of the config inside the YAML file")
@@ -73,6 +77,8 @@ def apply_overrides(params, args, dp_size, dp_rank):
         args.amp_mode = args.amp_mode or "fp16"
     if args.enable_apex:
         args.enable_fused = True
+    if args.stop_at_iter is not None and args.stop_at_iter < 1:
+        raise UserError(f"--stop_at_iter is {args.stop_at_iter}; give the iteration to stop after (at least 1)")
     if args.num_epochs is not None and args.num_iters is not None:
         raise UserError("give the run length once: --num_iters or --num_epochs, not both")
     if args.num_epochs is not None:  # an explicit length in epochs replaces the config's num_iters
@@ -84,6 +90,9 @@ def apply_overrides(params, args, dp_size, dp_rank):
         if value is not None:
             params[key] = value
 
+    for key, hint in (("checkpoint_interval", " (0: checkpoint only at the end)"), ("num_data_workers", "")):
+        if not isinstance(params.get(key, 0), int) or params.get(key, 0) < 0:
+            raise UserError(f"{key} is {params.get(key)}; it must be a whole number >= 0{hint}")
     # the UNet and ResNet stages' own YAML switches, read once here into the unified keys
     if args.amp_mode is None and params.get("enable_amp"):
         params.amp_mode = "fp16"

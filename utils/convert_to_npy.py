@@ -10,6 +10,7 @@ import sys
 import h5py
 import numpy as np
 
+from utils.atomic import atomic_path
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
 
 # Planes along D converted at a time: the slab, not the whole box, has to fit in memory.
@@ -28,18 +29,17 @@ def _field_shape(h5_file, h5_path, field):
 
 
 def _write_channels_last(dataset, out_path):
-    """dataset (C, D, H, W) -> out_path (D, H, W, C) float32, slab by slab, via a temporary file."""
+    """dataset (C, D, H, W) -> out_path (D, H, W, C) float32, slab by slab, atomically."""
     channels, depth, height, width = dataset.shape
     planes_per_slab = max(1, SLAB_BYTES // (channels * height * width * 4))
-    tmp_path = out_path + ".tmp"
-    out = np.lib.format.open_memmap(tmp_path, mode="w+", dtype=np.float32,
-                                    shape=(depth, height, width, channels))
-    for first in range(0, depth, planes_per_slab):
-        last = min(first + planes_per_slab, depth)
-        out[first:last] = np.moveaxis(dataset[:, first:last].astype(np.float32, copy=False), 0, -1)
-    out.flush()
-    del out  # closes the memory map before the rename
-    os.replace(tmp_path, out_path)
+    with atomic_path(out_path) as tmp_path:
+        out = np.lib.format.open_memmap(tmp_path, mode="w+", dtype=np.float32,
+                                        shape=(depth, height, width, channels))
+        for first in range(0, depth, planes_per_slab):
+            last = min(first + planes_per_slab, depth)
+            out[first:last] = np.moveaxis(dataset[:, first:last].astype(np.float32, copy=False), 0, -1)
+        out.flush()
+        del out  # closes the memory map before the rename
     return out_path
 
 

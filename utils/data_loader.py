@@ -1,7 +1,11 @@
 """PyTorch data loaders: the ERA5 dataset here, the others by name (`dataset` key), one sampler and loader for all.
 
-ERA5 yearly HDF5 files give (x(t), x(t+dt)) pairs, normalised per channel.
+ERA5 yearly HDF5 files give (x(t), x(t+dt)) pairs, normalised per channel. The training loop sees every loader
+through one interface (`TorchLoader` here; the DALI loaders offer the same): iterate one epoch's batches, len()
+= steps per epoch, set_epoch(epoch, skip) to start an epoch after `skip` steps (exact resume), sample_shape,
+first_batch() for the step-0 values, describe(epoch, step) to name the samples of a batch in error messages.
 """
+import copy
 import glob
 import logging
 import os
@@ -9,7 +13,7 @@ import os
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from utils import comm
 from utils.errors import UserError
@@ -80,11 +84,15 @@ class ERA5Dataset(Dataset):
                      f"Image Shape: {self.img_h} x {self.img_w} x {self.n_channels}")
 
     def _check_file(self, path, first):
-        with h5py.File(path, "r") as f:
-            if "fields" not in f:
-                raise UserError(f"HDF5 file '{path}' has no dataset 'fields'; ERA5 files hold "
-                                "fields of shape (T, channels, H, W)")
-            shape = f["fields"].shape
+        try:
+            with h5py.File(path, "r") as f:
+                if "fields" not in f:
+                    raise UserError(f"HDF5 file '{path}' has no dataset 'fields'; ERA5 files hold "
+                                    "fields of shape (T, channels, H, W)")
+                shape = f["fields"].shape
+        except OSError as err:  # truncated or not HDF5 at all
+            raise UserError(f"HDF5 file '{path}' cannot be read ({err}); copy it again or regenerate "
+                            "the data") from None
         if len(shape) != 4 or shape[1] != self.n_channels:
             raise UserError(f"HDF5 file '{path}' has fields of shape {shape}; expected "
                             f"(T, {self.n_channels}, H, W) with {self.n_channels} channels")
@@ -101,16 +109,33 @@ class ERA5Dataset(Dataset):
         return self.n_samples_total
 
     def _read(self, year_idx, step):
-        if self.files[year_idx] is None:
-            self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
-        return self.files[year_idx][step, :, :self.img_h, :self.img_w]
+        try:
+            if self.files[year_idx] is None:
+                self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
+            return self.files[year_idx][step, :, :self.img_h, :self.img_w]
+        except OSError as err:  # a file truncated or damaged after the start-up check
+            raise UserError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
+                            "copy it again or regenerate the data") from None
 
-    def __getitem__(self, global_idx):
+    def _position(self, global_idx):
+        """(year file index, input time step) of sample `global_idx`."""
         year_idx, local_idx = divmod(global_idx, self.n_samples_per_year)
         # inputs lie in [dt, T - dt): both x(t) and x(t+dt) sit inside the year's file
         local_idx = local_idx % (self.n_samples_per_year - self.dt)
         if local_idx < self.dt:
             local_idx += self.dt
+        return year_idx, local_idx
+
+    def describe(self, indices):
+        """Where samples `indices` come from, e.g. "2001.h5 time steps 12, 40"."""
+        steps = {}
+        for index in indices:
+            year_idx, step = self._position(index)
+            steps.setdefault(self.files_paths[year_idx], []).append(f"{step}(+{self.dt})")
+        return "; ".join(f"{path} time steps {', '.join(found)}" for path, found in steps.items())
+
+    def __getitem__(self, global_idx):
+        year_idx, local_idx = self._position(global_idx)
         inp = (self._read(year_idx, local_idx) - self.means) / self.stds
         tar = (self._read(year_idx, local_idx + self.dt) - self.means) / self.stds
         return torch.from_numpy(inp), torch.from_numpy(tar)
@@ -144,8 +169,59 @@ def get_dataset(params, train):
     raise UserError(f"dataset '{name}' is unknown; choose one of: era5, cosmo, cifar100, imagefolder")
 
 
+class TorchLoader:
+    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses."""
+
+    def __init__(self, dataset, sampler, loader):
+        self.dataset, self.sampler, self.loader = dataset, sampler, loader
+        self.batch_size = loader.batch_size
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        """Steps in a whole epoch (also right after set_epoch(epoch, skip))."""
+        return len(self.loader)
+
+    def set_epoch(self, epoch, skip=0):
+        """Next iteration gives the batches of `epoch` (its shuffle order), leaving out its first `skip` steps."""
+        self.sampler.set_epoch(epoch, skip=skip * self.batch_size)
+
+    def _probe(self):
+        """A copy of the dataset for looking at samples: drawing from it leaves the training stream untouched
+        (datasets with their own random generator, like the cosmology crops, get a fresh one)."""
+        probe = copy.copy(self.dataset)
+        if hasattr(probe, "rng"):
+            probe.rng = None
+        return probe
+
+    @property
+    def sample_shape(self):
+        """Shape of one input sample, e.g. (C, H, W)."""
+        return tuple(self._probe()[0][0].shape)
+
+    def _indices(self, epoch, step):
+        saved = (self.sampler.epoch, self.sampler.skip)
+        self.sampler.set_epoch(epoch)
+        order = list(self.sampler)
+        self.sampler.set_epoch(saved[0], skip=saved[1])
+        return order[step * self.batch_size:(step + 1) * self.batch_size]
+
+    def first_batch(self):
+        """The first batch of epoch 0, as the loop will see it (for the step-0 values)."""
+        probe = self._probe()
+        return default_collate([probe[i] for i in self._indices(0, 0)])
+
+    def describe(self, epoch, step):
+        """The samples of batch `step` of `epoch` on this rank, by file where the dataset can tell."""
+        indices = self._indices(epoch, step)
+        if hasattr(self.dataset, "describe"):
+            return self.dataset.describe(indices)
+        return f"sample indices {', '.join(map(str, indices))}"
+
+
 def get_data_loader(params, train):
-    """(loader, dataset, sampler) for one split, sharded over the data-parallel ranks."""
+    """The loader of one split (TorchLoader), sharded over the data-parallel ranks."""
     dataset = get_dataset(params, train)
     batch_size = params.local_batch_size if train else params.get("valid_batch_size_per_gpu",
                                                                   params.local_batch_size)
@@ -162,7 +238,7 @@ def get_data_loader(params, train):
                         num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
                         persistent_workers=workers > 0, worker_init_fn=_seed_worker,
                         generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
-    return loader, dataset, sampler
+    return TorchLoader(dataset, sampler, loader)
 
 
 def _seed_worker(worker_id):

@@ -113,15 +113,18 @@ class CosmoDataset(Dataset):
         if not os.path.isfile(self.path):
             raise UserError(f"HDF5 file '{self.path}' not found; {COSMO_HINT}")
         shapes = {}
-        with h5py.File(self.path, "r") as f:
-            for field, n_channels in ((INPUT_FIELD, self.n_in_channels), (TARGET_FIELD, self.n_out_channels)):
-                if field not in f:
-                    raise UserError(f"HDF5 file '{self.path}' has no dataset '{field}'; {COSMO_HINT}")
-                shape = f[field].shape
-                if len(shape) != 4 or shape[0] != n_channels:
-                    raise UserError(f"dataset '{field}' in '{self.path}' has shape {shape}, expected "
-                                    f"({n_channels}, L, L, L) with {n_channels} channels; {COSMO_HINT}")
-                shapes[field] = shape[1:]
+        try:
+            with h5py.File(self.path, "r") as f:
+                for field, n_channels in ((INPUT_FIELD, self.n_in_channels), (TARGET_FIELD, self.n_out_channels)):
+                    if field not in f:
+                        raise UserError(f"HDF5 file '{self.path}' has no dataset '{field}'; {COSMO_HINT}")
+                    shape = f[field].shape
+                    if len(shape) != 4 or shape[0] != n_channels:
+                        raise UserError(f"dataset '{field}' in '{self.path}' has shape {shape}, expected "
+                                        f"({n_channels}, L, L, L) with {n_channels} channels; {COSMO_HINT}")
+                    shapes[field] = shape[1:]
+        except OSError as err:  # truncated or not HDF5 at all
+            raise UserError(f"HDF5 file '{self.path}' cannot be read ({err}); copy it again or {COSMO_HINT}") from None
         if shapes[INPUT_FIELD] != shapes[TARGET_FIELD]:
             raise UserError(f"datasets '{INPUT_FIELD}' {shapes[INPUT_FIELD]} and '{TARGET_FIELD}' "
                             f"{shapes[TARGET_FIELD]} in '{self.path}' cover different boxes; {COSMO_HINT}")
@@ -149,12 +152,21 @@ class CosmoDataset(Dataset):
                   slice(x, x + self.crop_size))
         if self.mode != "lowmem":
             return self.inp[window], self.tar[window]
-        if self.file is None or self.file_pid != os.getpid():  # HDF5 handles do not survive a fork
-            self.file = h5py.File(self.path, "r")
-            self.file_pid = os.getpid()
-        inp = self.file[INPUT_FIELD][window].astype(np.float32, copy=False)
-        tar = self.file[TARGET_FIELD][window].astype(np.float32, copy=False)
+        try:
+            if self.file is None or self.file_pid != os.getpid():  # HDF5 handles do not survive a fork
+                self.file = h5py.File(self.path, "r")
+                self.file_pid = os.getpid()
+            inp = self.file[INPUT_FIELD][window].astype(np.float32, copy=False)
+            tar = self.file[TARGET_FIELD][window].astype(np.float32, copy=False)
+        except OSError as err:  # damaged after the start-up check
+            raise UserError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it again "
+                            f"or {COSMO_HINT}") from None
         return inp, tar
+
+    def describe(self, indices):
+        """Where samples `indices` come from (random crops of one file)."""
+        source = "synthetic volume" if self.mode == "synthetic" else f"'{self.path}'"
+        return f"{len(indices)} random crops of {source}"
 
     def __getitem__(self, index):
         # validation crop i depends only on (seed, i): the same set every epoch and for any number of ranks

@@ -12,8 +12,9 @@ from torchvision import transforms as T
 from torchvision.datasets.utils import calculate_md5, check_integrity
 
 from utils.errors import UserError
-from utils.sample_images import CIFAR100_FILES, CIFAR100_MANIFEST
 
+CIFAR100_FILES = ("train", "test", "meta")
+CIFAR100_MANIFEST = "SAMPLE_DATA.json"  # md5 of each generated file: lets the loader accept (and verify) them
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR_IMAGE_VALUES = 3 * 32 * 32

@@ -3,23 +3,43 @@ import argparse
 import functools
 import sys
 
+_cleanups = []
+
+
+def register_cleanup(function):
+    """Call `function` when the main function wrapped by exit_on_user_error returns or fails (e.g. to release
+    a run-directory lock even when the run stops with an error)."""
+    _cleanups.append(function)
+
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, missing data, sizes that do not divide)."""
 
 
 def exit_on_user_error(main):
-    """Run `main`; turn a UserError into `error: <message>` on stderr and exit code 2."""
+    """Run `main`; turn a UserError into `error: <message>` on stderr and exit code 2; run the cleanups."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(2)
+        finally:
+            while _cleanups:
+                _cleanups.pop()()
 
     return wrapper
+
+
+def one_line(err):
+    """The message of a UserError; for one re-raised from a DataLoader worker (its text then holds the worker's
+    traceback), the original message alone."""
+    message = str(err)
+    if "\nOriginal Traceback" in message:
+        message = message.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
+    return message
 
 
 class ArgumentParser(argparse.ArgumentParser):

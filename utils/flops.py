@@ -72,3 +72,27 @@ def peak_flops(device, dtype):
     # while other kernels (oneDNN convolutions) are not; the better of the two keeps MFU at most 100%
     peak = max(measure_matmul_peak(device, dtype), measure_matmul_peak(device, torch.float32))
     return peak, f"best of measured {dtype} and torch.float32 matmul on {device.type}"
+
+
+class Peak:
+    """The peak MFU is measured against, for one device and dtype.
+
+    Datasheet peaks are fixed. A measured peak (CPUs, unknown GPUs) is approximate: on a loaded machine the
+    start-up matmul can run slower than the model later does. When a throughput beats it, the peak is measured
+    again and raised to at least that throughput, so MFU never exceeds 100%.
+    """
+
+    def __init__(self, device, dtype):
+        self.device, self.dtype = device, dtype
+        self.value, self.source = peak_flops(device, dtype)
+        self.measured = self.source.startswith(("measured", "best of measured"))
+
+    def describe(self):
+        note = "; MFU is approximate against a peak measured on this machine" if self.measured else ""
+        return f"peak {self.value / 1e12:.3f} TFLOP/s per device ({self.source}){note}"
+
+    def mfu(self, achieved):
+        """achieved / peak, at most 1."""
+        if achieved > self.value and self.measured:
+            self.value = max(self.value, peak_flops(self.device, self.dtype)[0], achieved)
+        return min(achieved / self.value, 1.0)

@@ -1,4 +1,8 @@
-"""Nsight hooks: NVTX ranges and a cudaProfilerApi window (`nsys profile -c cudaProfilerApi`); no-ops on CPU."""
+"""Nsight hooks: NVTX ranges and a profiler window; no-ops on CPU.
+
+The window both calls cudaProfilerStart/Stop (`nsys profile -c cudaProfilerApi`) and spans an NVTX range named
+PROFILE (`nsys profile --capture-range=nvtx --nvtx-capture=PROFILE`, the ResNet stage's command).
+"""
 import contextlib
 
 import torch
@@ -10,7 +14,8 @@ def nvtx_range(name):
 
 
 class CudaProfilerWindow:
-    """torch.cuda.profiler.start()/stop() around the first `num_iters` steps (None: all) of one epoch."""
+    """torch.cuda.profiler.start()/stop() and the NVTX range PROFILE around the first `num_iters` steps (None: all)
+    of one epoch."""
 
     def __init__(self, epoch, num_iters=None, enabled=True):
         self.epoch = epoch
@@ -24,6 +29,7 @@ class CudaProfilerWindow:
             return
         if step_in_epoch == 0 and not self.running:
             torch.cuda.profiler.start()
+            torch.cuda.nvtx.range_push("PROFILE")
             self.running = True
         elif self.running and self.num_iters is not None and step_in_epoch >= self.num_iters:
             self.end_epoch()
@@ -31,5 +37,15 @@ class CudaProfilerWindow:
     def end_epoch(self):
         if self.running:
             torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
             torch.cuda.profiler.stop()
             self.running = False
+
+
+def peak_memory_gb(device):
+    """Peak memory of this rank so far: the CUDA allocator's high watermark on a GPU, the process's maximum
+    resident size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux

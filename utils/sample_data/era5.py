@@ -1,14 +1,9 @@
-"""Write small synthetic data sets in the exact on-disk layout the tutorials read.
+"""Synthetic ERA5 data: HDF5 year files (train/valid/test) + stats, in the layout the ViT tutorial reads.
 
-Lets every tutorial run (and be tested) without downloading the real data:
-`python -m utils.sample_data era5 --out DIR` writes ERA5-like HDF5 year files + stats;
-`cosmo` the cosmology boxes (HDF5 + .npy), `cifar100` the CIFAR-100 python pickles,
-`imagefolder` an ImageNet-style folder tree (utils/sample_cosmo.py, utils/sample_images.py).
+`python -m utils.sample_data era5 --out DIR` writes the files; `persistence_error` is the baseline a trained
+model has to beat.
 """
-
-import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +11,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from utils.errors import ArgumentParser, UserError
+from utils.atomic import atomic_path
+from utils.sample_data.common import SampleDataError
 
 # FourCastNet channel order of the real ERA5 files (index = channel in `fields`).
 ERA5_CHANNELS = [
@@ -58,10 +54,6 @@ DIURNAL_AMPLITUDE_K = 6.0
 N_LATENT_FIELDS = 5
 # Keep one generated time chunk (float64, all channels) at about 32 MB.
 _CHUNK_VALUES = 4_000_000
-
-
-class SampleDataError(UserError, ValueError):
-    """Bad arguments or an existing data set; the CLI prints it as one line and exits 2."""
 
 
 @dataclass
@@ -175,11 +167,9 @@ def _holds_era5(out_dir):
 
 
 def _save_npy(path, array):
-    """np.save via a temporary file, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """np.save, atomically: a crash never leaves a half-written file."""
+    with atomic_path(path) as tmp_path, open(tmp_path, "wb") as f:
         np.save(f, array)
-    os.replace(tmp, path)
 
 
 def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
@@ -228,13 +218,12 @@ def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
     for file_index, (year, split) in enumerate(zip(years.tolist(), split_of_year)):
         (out_dir / split).mkdir(parents=True, exist_ok=True)
         path = out_dir / split / f"{year}.h5"
-        tmp_path = path.with_name(path.name + ".tmp")
         # Per-year wave phases and noise: years differ, but reruns are identical.
         phases = np.random.default_rng([seed, 1, year]).uniform(0, 2 * np.pi, size=len(waves))
         noise_rng = np.random.default_rng([seed, 2, year])
 
         # track_order/track_times off: no creation timestamps -> byte-identical reruns.
-        with h5py.File(tmp_path, "w", track_order=False) as f:
+        with atomic_path(path) as tmp_path, h5py.File(tmp_path, "w", track_order=False) as f:
             dataset = f.create_dataset(
                 "fields", shape=(steps_per_year, n_channels, height, width),
                 dtype="float32", track_times=False,
@@ -259,7 +248,6 @@ def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
                     channel_sum_sq += (centred ** 2).sum(axis=(0, 2, 3))
                     pixel_sum += values.sum(axis=0)
                     train_steps += steps.size
-        os.replace(tmp_path, path)
         if verbose:
             size_mb = path.stat().st_size / 1e6
             print(f"[era5] {split}/{year}.h5 ({file_index + 1}/{years.size}) {size_mb:.1f} MB", flush=True)
@@ -346,30 +334,3 @@ def add_era5_parser(subparsers):
     parser.add_argument("--noise", type=float, default=0.01, help="noise std relative to each channel's std")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing data set in --out")
     parser.set_defaults(run=_run_era5)
-
-
-def build_parser():
-    parser = ArgumentParser(prog="python -m utils.sample_data", description=__doc__)
-    subparsers = parser.add_subparsers(dest="dataset", required=True)
-    add_era5_parser(subparsers)
-    # imported here: those modules import SampleDataError from this one
-    from utils.sample_cosmo import add_cosmo_parser
-    from utils.sample_images import add_cifar100_parser, add_imagefolder_parser
-    add_cosmo_parser(subparsers)
-    add_cifar100_parser(subparsers)
-    add_imagefolder_parser(subparsers)
-    return parser
-
-
-def main(argv=None):
-    """CLI entry point; returns the exit code (2 with one stderr line on bad input)."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except UserError as error:  # SampleDataError, also when raised by the modules imported in build_parser
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

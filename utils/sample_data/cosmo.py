@@ -11,15 +11,15 @@ voxel: gas density follows the smoothed dark matter with a saturating bias, temp
 density (an equation of state plus shock heating), and the gas moves with the smoothed dark-matter flow,
 slowed in dense regions. All values lie in about [-1, 1] because the UNet ends in a tanh.
 """
-import os
 import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from utils.atomic import atomic_path
 from utils.convert_to_npy import convert
-from utils.sample_data import SampleDataError
+from utils.sample_data.common import SampleDataError
 
 TRAIN_FILE = "downsamp_2048crop_train.h5"
 VALID_FILE = "downsamp_1024crop_valid.h5"
@@ -101,12 +101,10 @@ def _check_cosmo_args(train_size, valid_size, seed):
 
 
 def _write_box(path, nbody, hydro):
-    """Both datasets into `path` via a temporary file; no timestamps, so reruns give the same bytes."""
-    tmp_path = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp_path, "w", track_order=False) as f:
+    """Both datasets into `path`, atomically; no timestamps, so reruns give the same bytes."""
+    with atomic_path(path) as tmp_path, h5py.File(tmp_path, "w", track_order=False) as f:
         f.create_dataset("Nbody", data=nbody, track_times=False)
         f.create_dataset("Hydro", data=hydro, track_times=False)
-    os.replace(tmp_path, path)
 
 
 def write_cosmo(out_dir, train_size=64, valid_size=48, seed=0, npy=True, overwrite=False, verbose=True):

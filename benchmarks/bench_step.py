@@ -1,20 +1,19 @@
 """Benchmark: one ViT training step (forward, backward, Adam) against the device's matmul peak.
 
-    python -m utils.bench_step [--out bench_results/vit_step_cpu.json]
+    python -m benchmarks.bench_step [--out bench_results/vit_step_cpu.json]
 
 Default shape, as in the project's CPU target: input 20 x 64 x 128, patch 8, embed 384, depth 12,
 8 heads, batch 4, fp32, Adam (fused unless --no-fused). Prints the step's achieved FLOP/s, the matmul
 peak measured in the same run, and their ratio (MFU), and writes them as JSON.
 """
 import argparse
-import json
-import os
 import platform
 import time
 
 import torch
 
 from networks.vit import VisionTransformer
+from utils.atomic import write_json
 from utils.errors import ArgumentParser
 from utils.flops import measure_matmul_peak, train_flops_per_sample
 
@@ -83,9 +82,7 @@ def main(argv=None):
     print(f"[bench_step] fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
     print(f"[bench_step] ratio (MFU): {100 * achieved / peak:.1f}%")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results)
         print(f"[bench_step] wrote {args.out}")
 
 

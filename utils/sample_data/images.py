@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from utils.sample_data import SampleDataError
+from utils.atomic import write_bytes
+from utils.sample_data.common import SampleDataError
 
 # The 100 fine classes of CIFAR-100 in label order (meta[b'fine_label_names']).
 CIFAR100_FINE_NAMES = [
@@ -64,8 +65,6 @@ FINE_TO_COARSE = {fine: coarse_index for coarse_index, members in enumerate(CIFA
                   for fine in members}
 
 CIFAR100_FOLDER = "cifar-100-python"  # torchvision's CIFAR100.base_folder
-CIFAR100_FILES = ("train", "test", "meta")
-CIFAR100_MANIFEST = "SAMPLE_DATA.json"  # md5 of each generated file: lets the loader accept (and verify) them
 CIFAR_SIZE = 32
 
 SHAPES = ("disk", "ring", "square", "triangle", "hbar", "vbar", "plus", "cross", "dots", "stripes")
@@ -184,16 +183,6 @@ def _python2_pickle(obj):
     return buffer.getvalue()
 
 
-def _write_atomic(path, data):
-    """Write bytes via a temporary file and a rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _check_counts(**counts):
     for name, value in counts.items():
         if value < 1:
@@ -207,6 +196,9 @@ def write_cifar100(out_dir, train_per_class=50, test_per_class=10, seed=0, overw
     loader checks instead. Raises SampleDataError on bad sizes or existing data (unless overwrite).
     Returns the folder that holds `cifar-100-python` (pass it as data_path).
     """
+    # the reader owns the file names; imported here so `python -m utils.sample_data` does not load torch
+    from utils.data_loader_images import CIFAR100_FILES, CIFAR100_MANIFEST
+
     _check_counts(train_per_class=train_per_class, test_per_class=test_per_class)
     if seed < 0:
         raise SampleDataError(f"--seed must be >= 0, got {seed}")
@@ -234,7 +226,7 @@ def write_cifar100(out_dir, train_per_class=50, test_per_class=10, seed=0, overw
             b"data": images.reshape(len(labels), 3 * CIFAR_SIZE * CIFAR_SIZE),  # rows: R, G, B planes
         }
         data = _python2_pickle(content)
-        _write_atomic(folder / name, data)
+        write_bytes(folder / name, data)
         md5[name] = hashlib.md5(data).hexdigest()
         if verbose:
             print(f"[cifar100] {name}: {len(labels)} images, {len(data) / 1e6:.1f} MB", flush=True)
@@ -243,12 +235,12 @@ def write_cifar100(out_dir, train_per_class=50, test_per_class=10, seed=0, overw
         b"fine_label_names": [name.encode() for name in CIFAR100_FINE_NAMES],
         b"coarse_label_names": [name.encode() for name in CIFAR100_COARSE_NAMES],
     })
-    _write_atomic(folder / "meta", meta)
+    write_bytes(folder / "meta", meta)
     md5["meta"] = hashlib.md5(meta).hexdigest()
 
-    manifest = {"generator": "utils.sample_images.write_cifar100", "seed": seed,
+    manifest = {"generator": "utils.sample_data.images.write_cifar100", "seed": seed,
                 "train_per_class": train_per_class, "test_per_class": test_per_class, "md5": md5}
-    _write_atomic(folder / CIFAR100_MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes(folder / CIFAR100_MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
     if verbose:
         elapsed = time.perf_counter() - start_time
         print(f"[cifar100] wrote {folder} (100 classes) in {elapsed:.1f} s", flush=True)
@@ -289,6 +281,7 @@ def write_imagefolder(out_dir, num_classes=10, train_per_class=20, val_per_class
             for i, image in enumerate(images):
                 Image.fromarray(image.transpose(1, 2, 0)).save(tmp_dir / class_name / f"{class_name}_{i:05d}.png")
         shutil.rmtree(out_dir / split, ignore_errors=True)
+        # a whole folder, so a rename rather than utils.atomic (which writes single files)
         os.replace(tmp_dir, out_dir / split)
         if verbose:
             print(f"[imagefolder] {split}: {num_classes} classes x {per_class} images of "

@@ -1,8 +1,8 @@
 """Benchmark: train.py throughput per optimisation step of a tutorial stage, as a table and JSON.
 
-    python -m utils.bench_train --suite vit --data_dir data/era5          [--out bench_results/train_demo.json]
-    python -m utils.bench_train --suite unet --data_dir data/cosmo        (the built-in IO / SYNTHETIC / FULL benchmark)
-    python -m utils.bench_train --suite resnet --data_dir data/cifar100
+    python -m benchmarks.bench_train --suite vit --data_dir data/era5     [--out bench_results/train_demo.json]
+    python -m benchmarks.bench_train --suite unet --data_dir data/cosmo   (the built-in IO / SYNTHETIC / FULL benchmark)
+    python -m benchmarks.bench_train --suite resnet --data_dir data/cifar100
 
 vit and resnet: each variant runs train.py for one warm-up epoch plus part of a second and reports the
 second epoch's samples/s (train.py's own "Time taken for epoch" line). Variants whose steps are very slow
@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
 # yaml, config, steps per epoch of that config on the default sample data (None: run 2 whole epochs), variants
@@ -134,9 +135,7 @@ def main(argv=None):
             print(f"| {row['variant']} | {row['samples_per_sec']:.2f} | {row['mfu_percent']:.1f}% "
                   f"| {row['measured_over']} |")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results)
         print(f"[bench_train] wrote {args.out}")
 
 

@@ -1,0 +1,1 @@
+"""Benchmark command lines: `python -m benchmarks.bench_step`, `python -m benchmarks.bench_train`."""

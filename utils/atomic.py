@@ -1,0 +1,49 @@
+"""Atomic writes: every file the project writes appears whole or not at all, whatever kills the writer.
+
+Write to `<path>.tmp`, fsync it, rename it over `path` (atomic on POSIX), fsync the folder. On any error
+(disk full, a kill signal turned into an exception) the temporary file is removed and `path` keeps its old
+content. Every writer in the project goes through `atomic_path`.
+"""
+import contextlib
+import json
+import os
+
+
+def _fsync(path, directory=False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a folder; the rename is still atomic
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary path beside `path` to write to; on success it replaces `path`, on failure it is removed."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp_path = path + ".tmp"
+    try:
+        yield tmp_path
+        _fsync(tmp_path)
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp_path)
+        raise
+    _fsync(folder, directory=True)
+
+
+def write_bytes(path, data):
+    """`data` (bytes or str) to `path`, atomically."""
+    with atomic_path(path) as tmp_path, open(tmp_path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def write_json(path, obj):
+    """`obj` as indented JSON to `path`, atomically."""
+    write_bytes(path, json.dumps(obj, indent=2) + "\n")

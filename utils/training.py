@@ -1,0 +1,350 @@
+"""The spine the training scripts share: small helpers around a loop that each script keeps for itself.
+
+train.py (data parallel), train_mp.py (model parallel) and train_graph.py (CUDA Graphs) each read top to bottom:
+setup -> data -> model, optimizer, resume -> wrap -> step function -> loop -> finish. What they share lives here
+and takes what differs as arguments (the process group's name, the model's state, the step's outputs); nothing
+here knows which script calls it. Reductions of losses and metrics run over the data-parallel group "dp".
+"""
+import fcntl
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+from utils import comm
+from utils.checkpoint import get_rng_states, load_checkpoint, load_model_state, save_checkpoint, set_rng_states
+from utils.cli import apply_overrides
+from utils.errors import UserError, register_cleanup
+from utils.logging_utils import config_logger, log_to_file
+from utils.plots import get_figure
+from utils.YParams import YParams
+
+NONFINITE_CHECK_EVERY = 50  # iterations between checks of the training loss (each costs one device sync)
+
+
+def load_config(args):
+    """Console logging, the launcher's local rank, and the named config of the YAML file."""
+    config_logger()
+    if args.local_rank is not None and "LOCAL_RANK" not in os.environ:  # torch.distributed.launch's --local-rank
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    return YParams(args.yaml_config, args.config)
+
+
+class RunDirectoryLock:
+    """An flock on <run dir>/run.lock held while a run uses the directory. The kernel drops it when the process
+    dies, however it dies, so a killed run never blocks the next start."""
+
+    def __init__(self, exp_dir):
+        self.path = os.path.join(exp_dir, "run.lock")
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UserError(f"run directory '{exp_dir}' is in use by {holder}; wait for that run to end, or "
+                            "choose another --run_num or --expdir") from None
+        except OSError as err:  # a file system without locks: run, but say so
+            logging.warning(f"cannot lock '{self.path}' ({err}); make sure no other run uses this directory")
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()} "
+                        f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        self.file.flush()
+        register_cleanup(self.release)
+
+    def release(self):
+        if not self.file.closed:
+            self.file.close()  # closing drops the flock
+
+
+@dataclass
+class Run:
+    """What the helpers need to know about this run (a record, not a trainer)."""
+    args: object
+    params: YParams
+    device: torch.device
+    exp_dir: str
+    checkpoint_path: str
+    resume_path: str = None
+    checkpoint: dict = None
+    rank: int = 0
+    lock: RunDirectoryLock = None
+    writer: SummaryWriter = None
+    extra: dict = field(default_factory=dict)
+
+
+def _make_run_dir(exp_dir):
+    try:
+        os.makedirs(os.path.join(exp_dir, "logs"), exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create the run directory '{exp_dir}' ({err.strerror or err}); choose a writable "
+                        "--expdir") from None
+    if not os.access(exp_dir, os.W_OK):
+        raise UserError(f"the run directory '{exp_dir}' is not writable; choose a writable --expdir")
+    return RunDirectoryLock(exp_dir)
+
+
+def start_run(args, params, layout):
+    """Flags into the config (batch sizes by the "dp" group), the device, the run directory
+    <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
+    Call after comm.init(); every rank calls it."""
+    apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
+    if args.parallel == "dp" and comm.get_world_size() > 1:
+        raise UserError("--parallel dp runs one process over all GPUs; launch a single task "
+                        "(no torchrun/srun tasks), or keep the default --parallel ddp")
+    if args.desired_acc is not None and params.get("model") != "resnet":
+        raise UserError("--desired_acc needs a classification model (config/ResNet50.yaml)")
+    if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
+        raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
+    device = comm.get_device()
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = params.cudnn_benchmark
+    else:
+        torch.set_flush_denormal(True)  # tiny (denormal) floats slow CPU arithmetic down by 2-4x
+
+    exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))
+    params.experiment_dir = exp_dir
+    checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
+    run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank())
+    # rank 0 creates and locks the directory; if that fails, every rank stops with its message
+    error = None
+    if run.rank == 0:
+        try:
+            run.lock = _make_run_dir(exp_dir)
+        except UserError as err:
+            error = str(err)
+    error = comm.broadcast_from_rank0(error)
+    if error:
+        raise UserError(error)
+
+    run.resume_path = args.resume or (checkpoint_path if os.path.isfile(checkpoint_path) else None)
+    if run.resume_path and not params.enable_benchy:
+        run.checkpoint = load_checkpoint(run.resume_path)
+        written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
+        if written_by != (args.config, params.get("model", "vit")):
+            raise UserError(f"checkpoint '{run.resume_path}' was written by config '{written_by[0]}' (model "
+                            f"{written_by[1]}), not '{args.config}' (model {params.get('model', 'vit')}); resume "
+                            "with the same --yaml_config and --config, or start a new --run_num or --expdir")
+    if run.rank == 0:
+        log_to_file(os.path.join(exp_dir, "out.log"))
+        params.log()
+    return run
+
+
+def set_run_length(params, steps_per_epoch):
+    """num_iters from num_epochs where the config counts epochs (UNet, ResNet stages)."""
+    if params.get("num_iters") is None:
+        params.num_iters = params.num_epochs * steps_per_epoch
+        logging.info(f"{params.num_epochs} epochs of {steps_per_epoch} steps: num_iters {params.num_iters}")
+
+
+def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_state):
+    """Load the run's checkpoint (if any) into model, optimizer, schedule and scaler and set this rank's RNG.
+    Returns (start iteration, partial sums of the interrupted epoch or None). `load_model(model, state, path)`
+    puts the saved (whole) model state into `model`."""
+    checkpoint, path = run.checkpoint, run.resume_path
+    run.checkpoint = None  # free the memory once restored
+    if checkpoint is None:
+        return 0, None
+    load_model(model, checkpoint["model"], path)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    rng_states = checkpoint["rng_states"]
+    set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
+    start_iter = checkpoint["iteration"]
+    logging.info(f"Resumed from {path} at iteration {start_iter}")
+    if start_iter >= run.params.num_iters:
+        logging.info(f"This run already finished its {run.params.num_iters} iterations; "
+                     "pass a new --run_num (or raise --num_iters) to train again")
+    return start_iter, checkpoint.get("epoch_sums")
+
+
+def save(run, model_state, optimizer, scheduler, scaler, iters, meter):
+    """Collective checkpoint: every rank calls it (RNG states and epoch sums are gathered); world rank 0 writes
+    `model_state`, which must be the whole model's state there (a model-parallel script gathers it first).
+    If the write fails every rank stops with the same message and the previous checkpoint stays."""
+    rng_states = [get_rng_states()]
+    if dist.is_initialized():
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, get_rng_states())
+    state = {"model": model_state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
+             "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
+             "params": run.params.params}
+    error = None
+    if run.rank == 0:
+        try:
+            save_checkpoint(run.checkpoint_path, state)
+        except UserError as err:
+            error = str(err)
+    error = comm.broadcast_from_rank0(error)
+    if error:
+        raise UserError(error)
+
+
+class EpochMeter:
+    """Training loss and metrics of the current epoch. Per-step values stay on the device (no sync per step);
+    the epoch's mean is over its steps and the data-parallel group. The partial sums go into checkpoints, so an
+    epoch interrupted and resumed reports exactly what an uninterrupted one does."""
+
+    def __init__(self, device, group="dp"):
+        self.device, self.group = device, group
+        self.start()
+
+    def start(self, partial=None):
+        """A new epoch (or the rest of one: `partial` = the sums a checkpoint kept)."""
+        self.losses, self.metrics = [], []
+        self.prior = partial or {"steps": 0, "sums": {}}
+
+    def add(self, loss, metrics):
+        self.losses.append(loss.detach())
+        self.metrics.append({tag: value.detach().float().mean() for tag, value in metrics.items()})
+
+    @property
+    def steps(self):
+        """Steps run since start() (this process's part of the epoch)."""
+        return len(self.losses)
+
+    def state_dict(self):
+        """{"steps", "sums"}: sums over the epoch's steps of the data-parallel mean (collective)."""
+        sums = dict(self.prior["sums"])
+        if self.losses:
+            local = {"Loss/train": torch.stack(self.losses).double().sum()}
+            local.update({tag: torch.stack([m[tag] for m in self.metrics]).double().sum() for tag in self.metrics[0]})
+            reduced = comm.all_reduce_mean(torch.stack(list(local.values())), self.group).tolist()
+            for tag, value in zip(local, reduced):
+                sums[tag] = sums.get(tag, 0.0) + value
+        return {"steps": self.prior["steps"] + self.steps, "sums": sums}
+
+    def means(self):
+        """{tag: mean over the whole epoch} (collective)."""
+        state = self.state_dict()
+        return {tag: total / state["steps"] for tag, total in state["sums"].items()}
+
+    def stop_if_not_finite(self, iters, describe):
+        """Collective check of the losses so far: if any rank saw a nan/inf loss, every rank stops with a line
+        naming the first such iteration and (`describe(iteration)`) its samples, before anything is saved."""
+        finite = torch.isfinite(torch.stack(self.losses).float()) if self.losses else torch.ones(0, dtype=bool)
+        bad = (~finite).nonzero()
+        first = float(iters - self.steps + 1 + bad[0].item()) if len(bad) else math.inf
+        first = comm.all_reduce_min(torch.tensor([first], dtype=torch.float64, device=self.device)).item()
+        if math.isfinite(first):
+            first = int(first)
+            raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} ({describe(first)}); "
+                            "stopped without saving, the last good checkpoint is kept; check the input data "
+                            "(or lower lr, or use bf16 instead of fp16)")
+
+
+def set_train_mode(model, freeze_bn):
+    """model.train(); with `freeze_bn` the BatchNorm layers stay in eval mode (running statistics, no updates)."""
+    model.train()
+    if freeze_bn:
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.eval()
+
+
+def validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast, group="dp"):
+    """Mean loss and metrics over the whole validation set (all ranks of `group`), and the last batch for a figure."""
+    model.eval()
+    sums = None
+    with torch.inference_mode():
+        for inp, tar in valid_loader:
+            inp, tar = to_device(inp, tar)
+            with autocast:
+                gen = model(inp)
+                loss = loss_fn(gen, tar)
+            batch_size = inp.shape[0]
+            values = {"loss": loss.float() * batch_size,
+                      "count": torch.tensor(float(batch_size), device=loss.device)}
+            values.update({tag: metric.float().sum() for tag, metric in metrics_fn(gen, tar).items()})
+            sums = values if sums is None else {k: sums[k] + values[k] for k in sums}
+    totals = comm.all_reduce_sum(torch.stack(list(sums.values())), group)
+    means = {key: (total / totals[1]).item() for key, total in zip(sums, totals)}
+    del means["count"]
+    return means, (inp, tar, gen)
+
+
+def open_tensorboard(run, start_iter):
+    """Rank 0's SummaryWriter on <run dir>/logs. Points a killed run wrote after its last checkpoint are purged
+    (TensorBoard's purge_step), so a resumed run shows each point once."""
+    if run.rank == 0:
+        run.writer = SummaryWriter(log_dir=os.path.join(run.exp_dir, "logs"),
+                                   purge_step=start_iter + 1 if start_iter else 0)
+    return run.writer
+
+
+def log_step0(run, model, first_batch, valid_loader, to_device, loss_fn, metrics_fn, autocast, group="dp"):
+    """The step-0 TensorBoard points: loss of the first training batch and of the first validation batch (and
+    the validation metrics), before any update, averaged over `group`."""
+    inp, tar = to_device(*first_batch)
+    val_inp, val_tar = to_device(*next(iter(valid_loader)))
+    model.eval()  # measure only: no dropout, no BatchNorm statistics updated
+    with torch.no_grad(), autocast:
+        values = [loss_fn(model(inp), tar), loss_fn(val_gen := model(val_inp), val_tar)]
+        val_metrics = metrics_fn(val_gen, val_tar)
+        values += [m.float().mean() for m in val_metrics.values()]
+    values = comm.all_reduce_mean(torch.stack(values).float(), group).tolist()
+    if run.writer is not None:
+        for tag, value in zip(["Loss/train", "Loss/valid"] + list(val_metrics), values):
+            run.writer.add_scalar(tag, value, 0)
+
+
+def log_training_epoch(run, epoch, iters, seconds, steps, train_means, lr, achieved_per_device, peak):
+    """The tutorial's end-of-epoch lines and TensorBoard points for training (rank 0)."""
+    iters_per_sec = steps / seconds
+    samples_per_sec = run.params.global_batch_size * iters_per_sec
+    logging.info(f"Time taken for epoch {epoch + 1} is {seconds:f} sec, avg {samples_per_sec:f} samples/sec")
+    logging.info(f"  Avg train loss={train_means['Loss/train']:f}")
+    achieved = achieved_per_device(samples_per_sec)
+    logging.info(f"  Throughput per device: {achieved / 1e12:.4f} TFLOP/s, MFU {100 * peak.mfu(achieved):.1f}%")
+    if run.writer is not None:
+        run.writer.add_scalar("Loss/train", train_means["Loss/train"], iters)
+        run.writer.add_scalar("Learning Rate", lr, iters)
+        run.writer.add_scalar("Avg iters per sec", iters_per_sec, iters)
+        run.writer.add_scalar("Avg samples per sec", samples_per_sec, iters)
+        for tag, value in train_means.items():
+            if tag != "Loss/train":
+                run.writer.add_scalar(tag, value, iters)
+
+
+def log_validation(run, iters, val_means, val_batch, seconds, train_means):
+    """The tutorial's validation lines, TensorBoard points and figure (rank 0); flushes the writer."""
+    logging.info(f"  Avg val loss={val_means['loss']}")
+    logging.info(f"  Total validation time: {seconds} sec")
+    if "Accuracy/top1/valid" in val_means:
+        logging.info(f"  train acc1={train_means['Accuracy/top1/train']:f}, "
+                     f"valid acc1={val_means['Accuracy/top1/valid']:f}, "
+                     f"valid acc5={val_means['Accuracy/top5/valid']:f}")
+    if run.writer is not None:
+        run.writer.add_scalar("Loss/valid", val_means["loss"], iters)
+        for tag, value in val_means.items():
+            if tag != "loss":
+                run.writer.add_scalar(tag, value, iters)
+        figure = get_figure(run.params, *val_batch)
+        if figure is not None:
+            run.writer.add_figure(*figure, iters, close=True)
+        run.writer.flush()
+
+
+def finish_run(run):
+    """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
+    free the run directory."""
+    if run.writer is not None:
+        run.writer.close()
+        logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")
+    comm.barrier()
+    logging.info(f"DONE ---- rank {run.rank}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if run.lock is not None:
+        run.lock.release()
