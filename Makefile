@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo demo-unet demo-resnet test lint bench bench-step bench-train bench-unet bench-resnet clean
+.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# on a GPU node: every CUDA-only test and a short benchmark of each stage, one JSON (fails loudly on any error)
+gpu-check: install
+	$(PY) -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
 
 # benchmarks write JSON under bench_results/ (numbers quoted in README)
 bench: bench-step bench-train bench-unet bench-resnet

@@ -129,17 +129,13 @@ def main(argv=None):
     interval = params.checkpoint_interval
     log_freq = params.get("log_freq")
     profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=run.rank == 0)
-    meter = EpochMeter(device)
+    meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:
         log_step0(run, model, train_loader.first_batch(), valid_loader, to_device, loss_fn, metrics_fn, autocast)
 
-    def describe(iteration):  # the samples of this rank's batch at a 1-based iteration
-        epoch, step = divmod(iteration - 1, steps_per_epoch)
-        return f"epoch {epoch + 1}, step {step}; this rank's batch: {train_loader.describe(epoch, step)}"
-
     def checkpoint(iters):
-        meter.stop_if_not_finite(iters, describe)  # never a nan checkpoint over a good one
+        meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
         save(run, raw_model.state_dict(), optimizer, scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
@@ -167,7 +163,7 @@ def main(argv=None):
                              f"Avg img/sec: {steps * params.global_batch_size / (now - report_start):.2f}")
                 report_start = now
             if iters % NONFINITE_CHECK_EVERY == 0:
-                meter.stop_if_not_finite(iters, describe)
+                meter.stop_if_not_finite(iters)
             if interval and iters % interval == 0 and iters % steps_per_epoch and iters < stop_iter:
                 checkpoint(iters)  # mid-epoch; at an epoch's end it waits for the epoch's report
             if iters >= stop_iter:
@@ -175,7 +171,7 @@ def main(argv=None):
         profiler_window.end_epoch()
         comm.synchronize(device)
         epoch_time = time.time() - epoch_start
-        meter.stop_if_not_finite(iters, describe)
+        meter.stop_if_not_finite(iters)
         if iters % steps_per_epoch and iters < num_iters:  # --stop_at_iter mid-epoch: reported after the resume
             logging.info(f"Stopped at iteration {iters} (--stop_at_iter); starting again resumes here")
             break

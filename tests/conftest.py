@@ -12,6 +12,10 @@ sys.path.insert(0, REPO_ROOT)
 from utils.sample_data.era5 import write_era5  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one, run by `make gpu-check`")
+
+
 @pytest.fixture
 def in_repo_root(monkeypatch):
     """Run a test from the repository root (configs are read by relative path), as a single process."""

@@ -33,3 +33,24 @@ def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, ca
     assert [row["variant"] for row in rows] == ["baseline", "again"]
     assert all(row["samples_per_sec"] > 0 and row["measured_over"].startswith("epoch 2") for row in rows)
     assert "| again |" in capsys.readouterr().out
+
+
+def test_gpu_check_refuses_a_machine_without_cuda(capsys, monkeypatch):
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", "unused.json"]) == 2
+    assert capsys.readouterr().err.startswith("error: make gpu-check needs an NVIDIA GPU")
+
+
+def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
+    """The same script on the tiny configs: gpu tests (all skipped here), data, the three stage benchmarks."""
+    from benchmarks import gpu_check
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--tiny", "--allow-cpu", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and report["gpu_tests"]["exit_code"] == 0
+    assert "skipped" in report["gpu_tests"]["summary"]
+    assert set(report["stages"]) == {"vit_short_bf16", "unet_short", "resnet_bs256_amp_nhwc_extra_opts"}
+    for stage in report["stages"].values():
+        assert stage["ok"] and stage["FULL"]["mean"] > 0 and 0 < stage["FULL"]["mfu"] <= 1
+        assert stage["peak_memory_gb"] > 0

@@ -12,7 +12,7 @@ import torch
 import train
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_train_on_gpu_with_bf16_fused_and_profiler_window(era5_dir, tmp_path, monkeypatch):

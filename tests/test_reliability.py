@@ -190,7 +190,9 @@ def test_bad_input_is_one_line_not_a_traceback(small_era5, tmp_path, capsys, cas
 def test_checkpoint_that_does_not_fit_the_config_names_the_parameter(small_era5, tmp_path, capsys):
     train.main(tiny(small_era5, tmp_path, "--num_iters", "2"))
     original = open(os.path.join(REPO_ROOT, "config", "ViT.yaml")).read()
-    wider = write_yaml(tmp_path, original.replace("tiny:\n  <<: *demo\n", "tiny:\n  <<: *demo\n  embed_dim: 48\n"))
+    tiny_block = "tiny:\n  <<: *demo\n  img_size: [16, 32]\n  embed_dim: 32\n"
+    assert tiny_block in original
+    wider = write_yaml(tmp_path, original.replace(tiny_block, tiny_block.replace("embed_dim: 32", "embed_dim: 48")))
     fails_with(capsys, tiny(small_era5, tmp_path, "--yaml_config", wider, "--num_iters", "4"),
                r"checkpoint '.*ckpt\.pt' holds 'pos_embed' of shape \(1, 32, 32\), but this config's model has "
                r"\(1, 32, 48\)")
@@ -262,10 +264,11 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
+    log_path = tmp_path / "torchrun.log"  # a file, not a pipe: a full pipe would stall the ranks' logging
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                  "--max-restarts", "1", "--master_port", str(free_port()), *argv, "--expdir",
-                                 str(tmp_path / "killed")], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                 str(tmp_path / "killed")], cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"),
+                                stderr=subprocess.STDOUT)
     checkpoint = os.path.join(str(tmp_path / "killed"), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
     deadline = time.time() + 120
     while not os.path.exists(checkpoint) and time.time() < deadline and launcher.poll() is None:
@@ -273,7 +276,8 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
     assert workers, "no worker processes found"
     os.kill(int(workers[-1]), signal.SIGKILL)  # one rank dies mid-run
-    output, _ = launcher.communicate(timeout=300)
+    launcher.wait(timeout=300)
+    output = log_path.read_text()
     assert launcher.returncode == 0, output[-3000:]
     assert "Resumed from" in output  # the restart really resumed (the comparison below could fail otherwise)
     final = torch.load(checkpoint, weights_only=False)

@@ -75,8 +75,8 @@ class YParams:
         if config_name not in all_configs:
             elsewhere = _files_holding(config_name, yaml_filename)
             if elsewhere:
-                raise UserError(f"config '{config_name}' is in {elsewhere[0]}, not {yaml_filename}; "
-                                f"add --yaml_config {elsewhere[0]}")
+                raise UserError(f"config '{config_name}' is in {elsewhere[0]}, not "
+                                f"{os.path.normpath(yaml_filename)}; add --yaml_config {elsewhere[0]}")
             raise UserError(f"config '{config_name}' is not in {yaml_filename}; "
                             f"choose one of: {', '.join(all_configs)}")
         self.__dict__["params"] = _to_plain(dict(all_configs[config_name]))

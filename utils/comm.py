@@ -90,15 +90,23 @@ def init(rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
             torch.cuda.set_device(device)
         logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                      f"(timeout {rendezvous_timeout:g} s, --dist_timeout)")
-        if rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            _wait_for_master(addr, port, rank, rendezvous_timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=rendezvous_timeout)
-        try:
-            store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        except (dist.DistError, RuntimeError) as err:  # e.g. "Timed out ... waiting for clients. 1/2 clients joined."
-            raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
-                            f"{rendezvous_timeout:g} s ({err}); start every rank, or raise --dist_timeout") from None
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent hosts the store and restarts every rank after a failure; the keys of each attempt
+            # are kept apart, so a restarted rank never reads an address its dead predecessor published
+            store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        else:
+            if rank != 0:
+                _wait_for_master(addr, port, rank, rendezvous_timeout)
+            try:  # the rendezvous alone, with our timeout (init_process_group's would also bound every collective)
+                store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+            except (dist.DistError, RuntimeError) as err:  # "Timed out ... waiting for clients. 1/2 clients joined."
+                raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
+                                f"{rendezvous_timeout:g} s ({err}); start every rank, or raise "
+                                "--dist_timeout") from None
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size)
     if dist.is_initialized():
         _groups["dp"] = dist.group.WORLD

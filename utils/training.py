@@ -196,8 +196,8 @@ class EpochMeter:
     the epoch's mean is over its steps and the data-parallel group. The partial sums go into checkpoints, so an
     epoch interrupted and resumed reports exactly what an uninterrupted one does."""
 
-    def __init__(self, device, group="dp"):
-        self.device, self.group = device, group
+    def __init__(self, device, loader, group="dp"):
+        self.device, self.loader, self.group = device, loader, group
         self.start()
 
     def start(self, partial=None):
@@ -230,18 +230,23 @@ class EpochMeter:
         state = self.state_dict()
         return {tag: total / state["steps"] for tag, total in state["sums"].items()}
 
-    def stop_if_not_finite(self, iters, describe):
+    def describe(self, iteration):
+        """Where this rank's batch of a (1-based) iteration came from."""
+        epoch, step = divmod(iteration - 1, len(self.loader))
+        return f"epoch {epoch + 1}, step {step}; this rank's batch: {self.loader.describe(epoch, step)}"
+
+    def stop_if_not_finite(self, iters):
         """Collective check of the losses so far: if any rank saw a nan/inf loss, every rank stops with a line
-        naming the first such iteration and (`describe(iteration)`) its samples, before anything is saved."""
+        naming the first such iteration and its samples, before anything is saved."""
         finite = torch.isfinite(torch.stack(self.losses).float()) if self.losses else torch.ones(0, dtype=bool)
         bad = (~finite).nonzero()
         first = float(iters - self.steps + 1 + bad[0].item()) if len(bad) else math.inf
         first = comm.all_reduce_min(torch.tensor([first], dtype=torch.float64, device=self.device)).item()
         if math.isfinite(first):
             first = int(first)
-            raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} ({describe(first)}); "
-                            "stopped without saving, the last good checkpoint is kept; check the input data "
-                            "(or lower lr, or use bf16 instead of fp16)")
+            raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} "
+                            f"({self.describe(first)}); stopped without saving, the last good checkpoint is kept; "
+                            "check the input data (or lower lr, or use bf16 instead of fp16)")
 
 
 def set_train_mode(model, freeze_bn):

@@ -1,0 +1,129 @@
+"""One command for whoever has a GPU: every CUDA-only test, then a short benchmark of each stage, in one JSON.
+
+    make gpu-check        # python -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
+
+1. `pytest -m gpu tests`: the tests skipped on machines without CUDA (NCCL, autocast on the GPU, fused
+   optimizers, the profiler window, DataParallel, ...).
+2. Sample data at the stages' real sizes (ERA5 360 x 720, cosmology boxes, CIFAR-100), generated once.
+3. train.py's built-in benchmark (--enable_benchy: IO, SYNTHETIC, FULL) for the ViT `short` config in bf16, the
+   UNet `short` config and the ResNet `bs256-amp-nhwc-extra-opts` config: samples/s, MFU against the datasheet
+   peak, peak memory.
+Everything runs even after a failure; the exit code is non-zero if anything failed. About 6 minutes on one H100.
+`--tiny --allow-cpu` runs the same steps with the `tiny` configs (a check of this script on any machine).
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from utils.atomic import write_json
+from utils.errors import ArgumentParser
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# name: (yaml, config, data set, extra flags)
+STAGES = {
+    "vit_short_bf16": ("config/ViT.yaml", "short", "era5", ["--amp_mode", "bf16", "--num_data_workers", "4"]),
+    "unet_short": ("config/UNet.yaml", "short", "cosmo", []),
+    "resnet_bs256_amp_nhwc_extra_opts": ("config/ResNet50.yaml", "bs256-amp-nhwc-extra-opts", "cifar100", []),
+}
+DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchmark cycles through them)
+    "full": {"era5": {"height": 360, "width": 720, "steps_per_year": 48, "train_years": 1, "valid_years": 1,
+                      "test_years": 1},
+             "cosmo": {"train_size": 128, "valid_size": 64}, "cifar100": {}},
+    "tiny": {"era5": {"height": 16, "width": 32, "steps_per_year": 24, "train_years": 1, "valid_years": 1,
+                      "test_years": 1},
+             "cosmo": {}, "cifar100": {"train_per_class": 2, "test_per_class": 1}},
+}
+
+
+def log(message):
+    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def make_data(root, sizes):
+    from utils.sample_data import write_cifar100, write_cosmo, write_era5
+    writers = {"era5": write_era5, "cosmo": write_cosmo, "cifar100": write_cifar100}
+    paths = {}
+    for name, writer in writers.items():
+        paths[name] = os.path.join(root, name)
+        if not os.path.isdir(paths[name]):
+            log(f"generating {name} sample data in {paths[name]}")
+            writer(paths[name], verbose=False, **sizes[name])
+    return paths
+
+
+def run_stage(name, yaml, config, data_dir, flags, work, bench):
+    """train.py --enable_benchy for one stage; its JSON plus the wall time, or the error."""
+    out = os.path.join(work, f"benchy_{name}")
+    command = [sys.executable, "train.py", "--yaml_config", yaml, "--config", config, "--data_dir", data_dir,
+               "--expdir", os.path.join(work, "runs", name), "--enable_benchy", "--benchy_nbatches",
+               str(bench["nbatches"]), "--benchy_ntrials", str(bench["ntrials"]), "--benchy_nwarmup",
+               str(bench["nwarmup"]), *flags]
+    log(f"{name}: {' '.join(command[1:])}")
+    start = time.time()
+    result = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, BENCHY_OUTPUT=out), capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"],
+                "log_tail": result.stderr[-3000:]}
+    with open(out + ".json") as f:
+        bench_results = json.load(f)
+    return {"ok": True, "seconds": time.time() - start, "command": " ".join(command[1:]), **bench_results}
+
+
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results/gpu/gpu_check.json", help="the JSON report")
+    parser.add_argument("--work", default="data/gpu_check", help="sample data and runs go here")
+    parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
+    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("error: make gpu-check needs an NVIDIA GPU (torch.cuda.is_available() is False here); run it on a "
+              "GPU node, e.g. `salloc -C gpu -N 1 -G 1` then `make gpu-check`", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+    report = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "started": time.ctime(),
+              "stages": {}}
+    failures = []
+
+    if not args.skip_tests:
+        log("CUDA-only tests: pytest -m gpu tests")
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"],
+                               cwd=REPO_ROOT, capture_output=True, text=True)
+        summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+        print(tests.stdout[-5000:], flush=True)
+        report["gpu_tests"] = {"exit_code": tests.returncode, "summary": summary}
+        if tests.returncode != 0:
+            failures.append(f"gpu tests: {summary}")
+
+    sizes = "tiny" if args.tiny else "full"
+    data = make_data(os.path.join(os.path.abspath(args.work), sizes), DATA_SIZES[sizes])
+    bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 20, "ntrials": 2, "nwarmup": 1}
+    for name, (yaml, config, dataset, flags) in STAGES.items():
+        result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags,
+                           os.path.abspath(args.work), bench)
+        report["stages"][name] = result
+        if result["ok"]:
+            log(f"{name}: FULL {result['FULL']['mean']:.1f} samples/s, MFU {100 * result['FULL']['mfu']:.1f}% "
+                f"({result['peak']}), peak memory {result['peak_memory_gb']:.2f} GB")
+        else:
+            failures.append(f"{name}: {result['error'][0]}")
+            log(f"{name} FAILED: {result['error'][0]}")
+    report["failures"] = failures
+    write_json(args.out, report)
+    log(f"report written to {args.out}")
+    if failures:
+        print("error: gpu-check failed: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    log("all passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
