@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet clean
+.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp clean
 
 install: $(VENV)/.installed
 
@@ -46,7 +46,7 @@ gpu-check: install
 	$(PY) -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
 
 # benchmarks write JSON under bench_results/ (numbers quoted in README)
-bench: bench-step bench-train bench-unet bench-resnet
+bench: bench-step bench-train bench-unet bench-resnet bench-mp
 
 bench-step: install
 	$(PY) -m benchmarks.bench_step --out bench_results/vit_step_cpu.json
@@ -56,6 +56,9 @@ bench-train: install $(DATA_DIR)/stats/global_stds.npy
 
 bench-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
 	$(PY) -m benchmarks.bench_train --suite unet --data_dir $(COSMO_DIR) --out bench_results/unet_demo.json
+
+bench-mp: install $(DATA_DIR)/stats/global_stds.npy
+	$(PY) -m benchmarks.bench_mp --data_dir $(DATA_DIR) --out bench_results/mp_demo.json
 
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json

@@ -48,7 +48,7 @@ from utils.training import (
 def main(argv=None):
     args = training_parser(__doc__.splitlines()[0]).parse_args(argv)
     params = load_config(args)
-    comm.init(args.dist_timeout)  # every rank is one data-parallel replica: the "dp" group is the world
+    comm.init(rendezvous_timeout=args.dist_timeout)  # every rank is a data-parallel replica: "dp" is the world
     run = start_run(args, params, layout=f"{comm.get_world_size()}GPU")
     device = run.device
 
@@ -136,7 +136,7 @@ def main(argv=None):
 
     def checkpoint(iters):
         meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
-        save(run, raw_model.state_dict(), optimizer, scheduler, scaler, iters, meter)
+        save(run, raw_model.state_dict(), optimizer.state_dict(), scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
     iters = start_iter

@@ -2,11 +2,20 @@
 
 Shapes follow the NERSC tutorial's ViT: no class token, learned position embedding, separate
 q/k/v projections, fused scaled-dot-product attention, MLP ratio 4, head back to patches.
+
+With tensor (tp) or context (cp) parallelism (process groups "tp", "cp" of utils.comm larger than one rank)
+each block's attention, MLP and norms are the distributed layers of distributed/layers.py, holding this rank's
+shard of the weights the serial model gets from the same seed; the token sequence is split over cp after the
+position embedding and gathered again before the head.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distributed.helpers import compute_split_shapes
+from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
+from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
+from utils import comm
 from utils.errors import UserError
 
 
@@ -109,6 +118,30 @@ class VisionTransformer(nn.Module):
 
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.apply(self._init_weights)
+        self.cp_shapes = compute_split_shapes(self.h * self.w, comm.get_size("cp"))
+        if comm.get_size("tp") > 1 or comm.get_size("cp") > 1:
+            self._distribute(num_heads)
+
+    def _distribute(self, num_heads):
+        """Swap each block's attention, MLP and norms for their tp/cp versions, loaded with this rank's shard of
+        the serial weights just initialised: the model equals the serial one built with the same seed."""
+        with torch.random.fork_rng(devices=[]):  # the distributed layers' own initialisation must not move the RNG
+            for block in self.blocks:
+                dim, hidden = block.norm1.normalized_shape[0], block.mlp.fc1.out_features
+                replacements = {
+                    "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps),
+                    "attn": DistributedAttention(dim, cp_shapes=self.cp_shapes, num_heads=num_heads, qkv_bias=True,
+                                                 attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p),
+                    "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps),
+                    "mlp": DistributedMLP(dim, hidden, drop=block.mlp.drop.p),
+                }
+                for name, layer in replacements.items():
+                    layer.load_serial(getattr(block, name))
+                    setattr(block, name, layer)
+        # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
+        # (upstream left them unreduced and the copies drifted apart)
+        for param in self.norm.parameters():
+            param.is_shared_mp, param.mark_for_reduction = ["tp-cp"], ["cp"]
 
     @staticmethod
     def _init_weights(module):
@@ -123,9 +156,11 @@ class VisionTransformer(nn.Module):
     def forward(self, x):
         B = x.shape[0]
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
+        x = scatter_to_parallel_region(x, 1, "cp")  # context parallel: this rank's tokens
         for block in self.blocks:
             x = block(x)
-        x = self.head(self.norm(x))  # (B, N, p*p*C), channel fastest
+        x = gather_from_parallel_region(self.norm(x), 1, self.cp_shapes, "cp")
+        x = self.head(x)  # (B, N, p*p*C), channel fastest
         p = self.patch_size
         x = x.view(B, self.h, self.w, p, p, self.out_chans).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(B, self.out_chans, self.h * p, self.w * p)
@@ -140,6 +175,10 @@ def check_vit_params(params):
     if params.embed_dim % params.num_heads:
         raise UserError(f"embed_dim {params.embed_dim} is not divisible by num_heads "
                         f"{params.num_heads}; choose num_heads that divides embed_dim")
+    tp, cp = comm.get_size("tp"), comm.get_size("cp")
+    if tp * cp > 1:  # heads and MLP width split over tp, tokens over cp
+        comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=4 * params.embed_dim,
+                           seq_len=(img_h // params.patch_size) * (img_w // params.patch_size))
 
 
 def ViT(params):

@@ -31,6 +31,13 @@ def era5_dir(tmp_path_factory):
     return str(out)
 
 
+def as_spawned_rank(rank, world, port, **extra):
+    """Environment of a rank spawned by a test: gloo on the CPU (also on a GPU node, where several ranks would
+    otherwise share one GPU under NCCL), rendezvous on localhost."""
+    os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), **extra)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,6 +48,8 @@ def run_command(args, nproc=1, timeout=600):
     """Run train.py (or a module) as a real command; nproc > 1 goes through torchrun with gloo."""
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     env.pop("WORLD_SIZE", None)
+    if nproc > 1:  # gloo on the CPU: a GPU node may have fewer GPUs than ranks (NCCL needs one each)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

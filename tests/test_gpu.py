@@ -50,3 +50,21 @@ def test_resnet_dataparallel_channels_last_fp16_on_gpu(tmp_path, monkeypatch):
                             weights_only=False)
     assert checkpoint["iteration"] == 5 and checkpoint["scaler"]["scale"] > 0
     assert all(torch.isfinite(v.float()).all() for v in checkpoint["model"].values())
+
+
+def test_train_mp_on_one_gpu_logs_cuda_memory(era5_dir, tmp_path, monkeypatch):
+    import train_mp
+    monkeypatch.chdir(REPO_ROOT)
+    train_mp.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", "5",
+                   "--amp_mode", "bf16"])
+    log = open(os.path.join(str(tmp_path), "tiny", "1MP", "00", "out.log")).read()
+    assert "Scaffolding memory high watermark:" in log and " Memory usage after forward pass:" in log
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs 2 GPUs")
+def test_train_mp_tensor_parallel_over_nccl(era5_dir, tmp_path):
+    from tests.conftest import run_command
+    result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                          "--num_iters", "5", "--tensor_parallel", "2"], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Setting DP = 1, TP = 2, CP = 1" in result.stderr

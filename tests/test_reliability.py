@@ -262,7 +262,7 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     whole = run_command(argv + ["--expdir", str(tmp_path / "whole")], nproc=2)
     assert whole.returncode == 0, whole.stderr[-2000:]
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo: 2 ranks on the CPU
     env.pop("WORLD_SIZE", None)
     log_path = tmp_path / "torchrun.log"  # a file, not a pipe: a full pipe would stall the ranks' logging
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, as_spawned_rank, free_port
 from utils.sample_data import write_cifar100, write_cosmo
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -97,8 +97,8 @@ def _reduce_over_dp(rank, port, results):
     import torch.distributed as dist
 
     from utils import comm
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    comm.init(30)
+    as_spawned_rank(rank, 2, port)
+    comm.init(rendezvous_timeout=30)
     # a "dp" group of one rank each (as when the other rank is a tensor-parallel partner): nothing to average
     groups = [dist.new_group([0]), dist.new_group([1])]
     comm._groups["dp"] = groups[rank]
@@ -106,7 +106,7 @@ def _reduce_over_dp(rank, port, results):
     comm._groups["dp"] = dist.group.WORLD
     world = comm.all_reduce_mean(torch.tensor([float(rank + 1)]), "dp").item()
     results[rank] = (local, world, comm.get_size("dp"))
-    dist.destroy_process_group()
+    comm.destroy()
 
 
 def test_reductions_follow_the_named_group():

@@ -3,6 +3,12 @@
 torchrun sets them; under Slurm, export_DDP_vars.sh exports the same names from SLURM_*. NCCL on GPUs,
 gloo on CPUs. Process groups are kept by name: "dp" is the data-parallel group (every rank of train.py is a
 data-parallel replica, so there it is the whole world). Reductions take the group's name as an argument.
+
+A model-parallel script names its sizes: init(timeout, tp=2, cp=2, order="tp-cp-dp") lays the ranks out on a
+tp x cp x dp grid (the first name of the order varies fastest; see utils/rank_generator.py) and builds the
+groups "dp", "tp", "cp", "tp-cp" and "dp-cp". Sizes that cannot work (tp x cp not dividing the world, heads or
+MLP width not dividing by tp, fewer patches than cp) are refused up front by validate_grid, in one line.
+Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
 import datetime
 import logging
@@ -14,9 +20,13 @@ import torch
 import torch.distributed as dist
 
 from utils.errors import UserError
+from utils.rank_generator import RankGenerator
 
-_groups = {}
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
+DEFAULT_ORDER = "tp-cp-dp"
+_groups = {}
+_grid = {"dp": 1, "tp": 1, "cp": 1, "order": RankGenerator(tp=1, dp=1, pp=1, cp=1, order=DEFAULT_ORDER).order}
+GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
 
 
 def get_world_size():
@@ -51,6 +61,51 @@ def get_names():
     return list(_groups)
 
 
+def is_initialized(name):
+    """Whether the named process group exists."""
+    return name in _groups
+
+
+def get_grid():
+    """The parallel layout, for logging: {"dp": .., "tp": .., "cp": .., "order": ..} (all 1 before init)."""
+    return dict(_grid)
+
+
+def validate_grid(world_size, tp, cp, num_heads=None, mlp_hidden=None, seq_len=None):
+    """Refuse, with one UserError line, sizes the tp x cp x dp grid cannot run; return the dp size.
+    Pure: no processes needed. num_heads, mlp_hidden (the MLP's hidden width) and seq_len (the number of
+    patches) are checked when given."""
+    for name, size in (("tp", tp), ("cp", cp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UserError(f"{name} is {size!r}; give a whole number of ranks, at least 1 (1 turns it off)")
+    if world_size % (tp * cp):
+        raise UserError(f"tp x cp = {tp} x {cp} = {tp * cp} does not divide the world size {world_size} (the "
+                        f"number of ranks); launch a multiple of {tp * cp} ranks, or choose tp and cp whose "
+                        f"product divides {world_size}")
+    if num_heads is not None and num_heads % tp:
+        raise UserError(f"num_heads {num_heads} does not divide by tp = {tp} (each tp rank holds whole heads); "
+                        f"choose tp among the divisors of {num_heads}, or change num_heads")
+    if mlp_hidden is not None and mlp_hidden % tp:
+        raise UserError(f"the MLP hidden width {mlp_hidden} does not divide by tp = {tp} (each tp rank holds "
+                        f"an equal slice); choose tp among its divisors, or change the MLP ratio or embed_dim")
+    if seq_len is not None and seq_len < cp:
+        raise UserError(f"the sequence has {seq_len} patches, fewer than cp = {cp} (each cp rank needs at "
+                        "least one); lower cp, or use smaller patches or larger images")
+    return world_size // (tp * cp)
+
+
+def _build_groups(generator):
+    """Create every group of each type on every rank (new_group is collective: all ranks call it for every
+    list, in the same order) and keep, under its type's name, the one holding this rank. A list that is the
+    whole world reuses the world group (so train.py's "dp" stays the world, as for DDP before)."""
+    world, rank = list(range(dist.get_world_size())), dist.get_rank()
+    for name in GROUP_TYPES:
+        for ranks in generator.get_ranks(name):
+            group = dist.group.WORLD if ranks == world else dist.new_group(ranks)
+            if rank in ranks:
+                _groups[name] = group
+
+
 def get_device():
     """cuda:LOCAL_RANK when CUDA is present, else the CPU."""
     if torch.cuda.is_available():
@@ -73,10 +128,23 @@ def _wait_for_master(addr, port, rank, timeout):
             time.sleep(0.5)
 
 
-def init(rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
+def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, *, tp=None, cp=None, order=None):
     """Join the process group when WORLD_SIZE > 1, waiting at most `rendezvous_timeout` seconds for the other
-    ranks; name the data-parallel group "dp" (the world: every rank is one replica)."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    ranks, and build the groups of the tp x cp x dp grid laid out in `order` (see utils/rank_generator.py).
+    The sizes and order come from the keywords, else from `params` ("tp", "cp", "order", as the original
+    `comm.init(params)`), else tp = cp = 1: every rank is one replica and "dp" is the world (train.py)."""
+    def setting(value, key, default):
+        if value is not None:
+            return value
+        return params.get(key, default) if params is not None else default
+
+    tp, cp, order = setting(tp, "tp", 1), setting(cp, "cp", 1), setting(order, "order", DEFAULT_ORDER)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    # checked before the rendezvous, so that every rank stops at once with the same line
+    dp = validate_grid(world_size, tp, cp)
+    generator = RankGenerator(tp=tp, dp=dp, pp=1, cp=cp, order=order)
+    _groups.clear()
+    _grid.update(dp=dp, tp=tp, cp=cp, order=generator.order)
     if world_size > 1 and not dist.is_initialized():
         missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
         if missing:
@@ -109,7 +177,9 @@ def init(rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
         dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size)
     if dist.is_initialized():
-        _groups["dp"] = dist.group.WORLD
+        _build_groups(generator)
+    if get_world_rank() == 0:
+        logging.info(f"Setting DP = {dp}, TP = {tp}, CP = {cp}, PP = 1")
     return get_world_size(), get_world_rank(), get_local_rank()
 
 
@@ -139,6 +209,14 @@ def broadcast_from_rank0(obj):
     objects = [obj]
     dist.broadcast_object_list(objects, src=0)
     return objects[0]
+
+
+def destroy():
+    """Leave the process group and forget the named groups: a subgroup kept alive after the world is destroyed
+    keeps gloo's threads running until the interpreter exits, which can abort it ("terminate called...")."""
+    _groups.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def synchronize(device):

@@ -146,16 +146,17 @@ def set_run_length(params, steps_per_epoch):
         logging.info(f"{params.num_epochs} epochs of {steps_per_epoch} steps: num_iters {params.num_iters}")
 
 
-def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_state):
+def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_state, load_optimizer=None):
     """Load the run's checkpoint (if any) into model, optimizer, schedule and scaler and set this rank's RNG.
     Returns (start iteration, partial sums of the interrupted epoch or None). `load_model(model, state, path)`
-    puts the saved (whole) model state into `model`."""
+    and `load_optimizer(optimizer, state)` put the saved (whole-model) states in; a model-parallel script passes
+    functions that take its shards."""
     checkpoint, path = run.checkpoint, run.resume_path
     run.checkpoint = None  # free the memory once restored
     if checkpoint is None:
         return 0, None
     load_model(model, checkpoint["model"], path)
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])
     rng_states = checkpoint["rng_states"]
@@ -168,15 +169,16 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     return start_iter, checkpoint.get("epoch_sums")
 
 
-def save(run, model_state, optimizer, scheduler, scaler, iters, meter):
+def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     """Collective checkpoint: every rank calls it (RNG states and epoch sums are gathered); world rank 0 writes
-    `model_state`, which must be the whole model's state there (a model-parallel script gathers it first).
-    If the write fails every rank stops with the same message and the previous checkpoint stays."""
+    `model_state` and `optimizer_state`, which must be the whole model's there (a model-parallel script gathers
+    its shards first). If the write fails every rank stops with the same message and the previous checkpoint
+    stays."""
     rng_states = [get_rng_states()]
     if dist.is_initialized():
         rng_states = [None] * dist.get_world_size()
         dist.all_gather_object(rng_states, get_rng_states())
-    state = {"model": model_state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    state = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params}
@@ -349,7 +351,6 @@ def finish_run(run):
         logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")
     comm.barrier()
     logging.info(f"DONE ---- rank {run.rank}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    comm.destroy()
     if run.lock is not None:
         run.lock.release()

@@ -1,0 +1,73 @@
+"""Benchmark: train_mp.py's samples/s and per-rank memory for the demo ViT at tp=1, tp=2 and cp=2 (JSON + table).
+
+    python -m benchmarks.bench_mp --data_dir data/era5 [--out bench_results/mp_demo.json]
+
+Each layout runs train_mp.py's built-in benchmark (--enable_benchy) under torchrun on this machine (gloo on CPUs,
+NCCL on GPUs). Reported per layout: FULL samples/s of the job, parameters held by one rank (what tp shards: the
+blocks' attention and MLP weights; what it leaves whole: patch and position embedding, norms, head), their
+bytes with Adam's two moments, and rank 0's peak memory (CUDA allocator high watermark, or the process's peak
+resident size on CPUs, which the Python runtime dominates for a model this small).
+"""
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from utils.atomic import write_json
+from utils.errors import ArgumentParser
+
+LAYOUTS = [("tp=1", 1, 1, 1), ("tp=2", 2, 2, 1), ("cp=2", 2, 1, 2)]  # label, ranks, tp, cp
+PARAMS_LINE = re.compile(r"Number of parameters on this rank: ([\d,]+)")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", default="data/era5")
+    parser.add_argument("--config", default="demo")
+    parser.add_argument("--out", default="bench_results/mp_demo.json")
+    parser.add_argument("--nbatches", type=int, default=10)
+    args = parser.parse_args(argv)
+    rows = []
+    for label, ranks, tp, cp in LAYOUTS:
+        with tempfile.TemporaryDirectory() as work:
+            out = os.path.join(work, "bench")
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                       str(free_port()), "train_mp.py", "--config", args.config, "--data_dir", args.data_dir,
+                       "--expdir", work, "--tensor_parallel", str(tp), "--context_parallel", str(cp),
+                       "--enable_benchy", "--benchy_nbatches", str(args.nbatches), "--benchy_ntrials", "2",
+                       "--benchy_nwarmup", "1"]
+            env = dict(os.environ, BENCHY_OUTPUT=out, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // ranks)))
+            result = subprocess.run(command, env=env, capture_output=True, text=True)
+            if result.returncode != 0:
+                print(result.stderr[-3000:], file=sys.stderr)
+                print(f"error: the {label} run failed", file=sys.stderr)
+                return 1
+            bench = json.load(open(out + ".json"))
+        params = int(PARAMS_LINE.search(result.stderr).group(1).replace(",", ""))
+        rows.append({"layout": label, "ranks": ranks, "tp": tp, "cp": cp, "samples_per_sec": bench["FULL"]["mean"],
+                     "params_per_rank": params, "params_and_adam_mb": 3 * 4 * params / 1e6,
+                     "peak_memory_gb_rank0": bench["peak_memory_gb"]})
+        print(f"[bench_mp] {label}: {rows[-1]['samples_per_sec']:.1f} samples/s, {params:,} parameters per rank "
+              f"({rows[-1]['params_and_adam_mb']:.1f} MB with Adam), peak memory {bench['peak_memory_gb']:.2f} GB",
+              flush=True)
+    machine = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU")
+    write_json(args.out, {"config": args.config, "machine": machine, "torch": torch.__version__, "rows": rows})
+    print(f"[bench_mp] written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

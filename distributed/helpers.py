@@ -1,0 +1,122 @@
+"""Split shapes and the collectives under the parallel mappings, over process groups named in utils.comm.
+
+Sequence lengths rarely divide the number of ranks (4050 tokens over cp=4), so every collective here takes the
+per-rank sizes along the split dimension. Uneven all-gathers and reduce-scatters are padded to the largest chunk,
+which works on gloo (CPU) as well as NCCL.
+"""
+import torch
+import torch.distributed as dist
+
+from utils import comm
+
+
+def compute_split_shapes(size, num_chunks):
+    """Sizes of `num_chunks` consecutive chunks of `size`: ceil-sized chunks and a smaller last one, e.g.
+    (4050, 4) -> [1013, 1013, 1013, 1011]; when that leaves nothing for the last, floor-sized ones:
+    (5, 4) -> [1, 1, 1, 2]."""
+    if num_chunks == 1:
+        return [size]
+    chunk = (size + num_chunks - 1) // num_chunks
+    last = size - chunk * (num_chunks - 1)
+    if last <= 0:
+        chunk = size // num_chunks
+        last = size - chunk * (num_chunks - 1)
+    return [chunk] * (num_chunks - 1) + [last]
+
+
+def split_tensor_along_dim(tensor, dim, num_chunks):
+    """`tensor` split along `dim` into compute_split_shapes chunks (views)."""
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"dim {dim} is out of range for a tensor of {tensor.dim()} dimensions")
+    if tensor.shape[dim] < num_chunks:
+        raise ValueError(f"cannot split {tensor.shape[dim]} elements along dim {dim} into {num_chunks} chunks")
+    return torch.split(tensor, compute_split_shapes(tensor.shape[dim], num_chunks), dim=dim)
+
+
+def _reduce(x, name):
+    """Sum of `x` over the named group (a new contiguous tensor; `x` itself is left alone)."""
+    if comm.get_size(name) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=comm.get_group(name))
+    return x
+
+
+def _split(x, dim, name):
+    """This rank's chunk of `x` along `dim` (contiguous)."""
+    size = comm.get_size(name)
+    if size == 1:
+        return x
+    return split_tensor_along_dim(x, dim, size)[comm.get_rank(name)].contiguous()
+
+
+def _padded_all_gather(x, dim, shapes, name):
+    """The chunks of every rank along `dim` (their sizes in `shapes`), gathered by padding to the largest."""
+    longest = max(shapes)
+    x = x.contiguous()
+    if x.shape[dim] < longest:
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    pieces = [torch.empty_like(x) for _ in shapes]
+    dist.all_gather(pieces, x, group=comm.get_group(name))
+    return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, shapes)]
+
+
+def _gather(x, dim, shapes, name):
+    """Concatenation along `dim` of every rank's `x` (rank order); `shapes` = sizes along `dim` per rank
+    (None: all equal to this rank's)."""
+    size = comm.get_size(name)
+    if size == 1:
+        return x
+    shapes = shapes or [x.shape[dim]] * size
+    if len(shapes) != size or x.shape[dim] != shapes[comm.get_rank(name)]:
+        raise ValueError(f"gather over '{name}': this rank holds {x.shape[dim]} elements along dim {dim}, "
+                         f"but the split shapes are {shapes} for {size} ranks")
+    return torch.cat(_padded_all_gather(x, dim, shapes, name), dim=dim)
+
+
+def _reduce_scatter(x, dim, shapes, name):
+    """This rank's chunk (sizes per rank in `shapes`, None: even) of the sum of `x` over the group."""
+    size = comm.get_size(name)
+    if size == 1:
+        return x
+    shapes = shapes or compute_split_shapes(x.shape[dim], size)
+    if len(shapes) != size or sum(shapes) != x.shape[dim]:
+        raise ValueError(f"reduce-scatter over '{name}': split shapes {shapes} do not cover {x.shape[dim]} elements "
+                         f"along dim {dim} for {size} ranks")
+    rank = comm.get_rank(name)
+    if dist.get_backend(comm.get_group(name)) == "nccl":
+        longest = max(shapes)
+        chunks = []
+        for chunk in torch.split(x, shapes, dim=dim):
+            if chunk.shape[dim] < longest:
+                pad = list(chunk.shape)
+                pad[dim] = longest - chunk.shape[dim]
+                chunk = torch.cat([chunk, chunk.new_zeros(pad)], dim=dim)
+            chunks.append(chunk.contiguous())
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, group=comm.get_group(name))
+        return out.narrow(dim, 0, shapes[rank]).contiguous()
+    # gloo has no reduce-scatter: the same result from a sum over the group and this rank's slice
+    return torch.split(_reduce(x, name), shapes, dim=dim)[rank].contiguous()
+
+
+@torch.no_grad()
+def init_params_for_shared_weights(model):
+    """Make every copy of a shared weight equal to its copy on rank 0 of each group it is shared over.
+
+    Parameters of the distributed layers say where they are shared (`is_shared_mp`, e.g. ["cp"] or ["tp", "cp"]);
+    every other parameter (patch and position embedding, final norm, head) is replicated over the whole
+    model-parallel group and gets ["tp-cp"]. With the same seed on every rank the copies are already equal; this
+    guarantees it whatever the seeds.
+    """
+    for param in model.parameters():
+        if not hasattr(param, "is_shared_mp"):
+            param.is_shared_mp = ["tp-cp"]
+        if not hasattr(param, "mark_for_reduction"):
+            param.mark_for_reduction = []
+        for name in param.is_shared_mp:
+            if name is not None and comm.get_size(name) > 1:
+                group = comm.get_group(name)
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)

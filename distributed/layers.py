@@ -1,0 +1,141 @@
+"""Tensor- and context-parallel layers of the ViT: the serial layers' math, with weights and activations split.
+
+Tensor parallelism (tp) splits weights: a column-parallel matmul keeps a slice of the output features, the
+row-parallel matmul after it a slice of the input features, and one all-reduce per pair restores the output.
+Attention heads and the MLP's hidden width are split this way. Context parallelism (cp) splits the sequence:
+each rank keeps a chunk of the tokens, and attention gathers the keys and values of the whole sequence.
+Weights are then shared over cp ranks whose gradients each cover only their tokens: `mark_for_reduction`
+names the groups over which those gradients are summed (see mappings.init_ddp_model_and_reduction_hooks), and
+`is_shared_mp` the groups over which copies must stay equal (helpers.init_params_for_shared_weights).
+`load_serial(module)` copies this rank's shard of a serial layer's weights (exact initialisation, tests).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distributed.mappings import all_gather_from_parallel_region, copy_to_parallel_region, reduce_from_parallel_region
+from utils import comm
+
+
+def _names(*names):
+    return [name for name in names if name is not None]
+
+
+class DistributedMatmul(nn.Module):
+    """y = x W^T + b with W split over `comm_out_name` (output features: column-parallel) or `comm_inp_name`
+    (input features: row-parallel; the partial products are summed before the bias is added once)."""
+
+    def __init__(self, inp_dim, out_dim, comm_inp_name, comm_out_name, comm_act_name="cp", bias=True):
+        super().__init__()
+        self.comm_inp_name, self.comm_out_name, self.comm_act_name = comm_inp_name, comm_out_name, comm_act_name
+        inp_size, out_size = comm.get_size(comm_inp_name), comm.get_size(comm_out_name)
+        if inp_size > 1 and out_size > 1:
+            raise ValueError("DistributedMatmul splits either the input or the output features, not both")
+        if inp_dim % inp_size or out_dim % out_size:
+            raise ValueError(f"features {inp_dim} -> {out_dim} do not divide over {inp_size} x {out_size} ranks")
+        self.weight = nn.Parameter(torch.empty(out_dim // out_size, inp_dim // inp_size))
+        nn.init.trunc_normal_(self.weight, std=0.02)
+        self.weight.is_shared_mp = _names(comm_act_name)
+        self.weight.mark_for_reduction = _names(comm_act_name)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(1, 1, out_dim // out_size))
+            self.bias.is_shared_mp = _names(comm_inp_name, comm_act_name)
+            self.bias.mark_for_reduction = _names(comm_act_name)
+
+    def _shard(self, tensor, dim, name):
+        return torch.chunk(tensor, comm.get_size(name), dim=dim)[comm.get_rank(name)]
+
+    @torch.no_grad()
+    def load_serial(self, linear):
+        """This rank's shard of an nn.Linear's weight and bias."""
+        weight = self._shard(self._shard(linear.weight, 0, self.comm_out_name), 1, self.comm_inp_name)
+        self.weight.copy_(weight)
+        if self.bias is not None:
+            self.bias.copy_(self._shard(linear.bias, 0, self.comm_out_name).view(1, 1, -1))
+
+    def forward(self, x):
+        x = copy_to_parallel_region(x, self.comm_out_name)
+        y = reduce_from_parallel_region(F.linear(x, self.weight), self.comm_inp_name)
+        return y + self.bias if self.bias is not None else y
+
+
+class DistributedMLP(nn.Module):
+    """fc1 column-parallel (the hidden width split over tp), activation, fc2 row-parallel: one all-reduce."""
+
+    def __init__(self, in_features, hidden_features=None, out_features=None, comm_tp_name="tp", comm_cp_name="cp",
+                 act_layer=nn.GELU, drop=0.0):
+        super().__init__()
+        hidden_features = hidden_features or in_features
+        out_features = out_features or in_features
+        self.fc1 = DistributedMatmul(in_features, hidden_features, None, comm_tp_name, comm_cp_name)
+        self.act = act_layer()
+        self.fc2 = DistributedMatmul(hidden_features, out_features, comm_tp_name, None, comm_cp_name)
+        self.drop = nn.Dropout(drop)
+
+    def load_serial(self, mlp):
+        self.fc1.load_serial(mlp.fc1)
+        self.fc2.load_serial(mlp.fc2)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DistributedAttention(nn.Module):
+    """Multi-head attention with the heads split over tp and the sequence over cp: q, k, v column-parallel,
+    keys and values of the whole sequence gathered over cp, proj row-parallel."""
+
+    def __init__(self, dim, comm_tp_name="tp", comm_cp_name="cp", cp_shapes=None, num_heads=8, qkv_bias=False,
+                 attn_drop=0.0, proj_drop=0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if num_heads % comm.get_size(comm_tp_name):
+            raise ValueError("heads are not evenly split across TP model ranks")
+        self.num_heads_local = num_heads // comm.get_size(comm_tp_name)
+        self.head_dim = dim // num_heads
+        self.comm_cp_name, self.cp_shapes = comm_cp_name, cp_shapes
+        self.q = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
+        self.k = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
+        self.v = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = DistributedMatmul(dim, dim, comm_tp_name, None, comm_cp_name)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def load_serial(self, attention):
+        for name in ("q", "k", "v", "proj"):
+            getattr(self, name).load_serial(getattr(attention, name))
+
+    def forward(self, x):
+        B, N, _ = x.shape  # N: this rank's tokens
+
+        def heads(t):  # (B, n, local heads * head_dim) -> (B, local heads, n, head_dim)
+            return t.view(B, t.shape[1], self.num_heads_local, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        k = all_gather_from_parallel_region(k, 2, self.cp_shapes, self.comm_cp_name)  # the whole sequence
+        v = all_gather_from_parallel_region(v, 2, self.cp_shapes, self.comm_cp_name)
+        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, self.num_heads_local * self.head_dim)))
+
+
+class DistributedLayerNorm(nn.Module):
+    """nn.LayerNorm on tokens whose features are whole (replicated over tp) and sequence split over cp: its
+    weight and bias are shared over tp and cp, and their gradients are summed over cp. Default eps is the serial
+    blocks' 1e-6 (upstream's 1e-5 made the two models differ)."""
+
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, bias=True, device=None, dtype=None,
+                 comm_tp_name="tp", comm_cp_name="cp"):
+        super().__init__()
+        self.norm = nn.LayerNorm(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                                 device=device, dtype=dtype)
+        for param in self.norm.parameters():
+            param.is_shared_mp = _names(comm_tp_name, comm_cp_name)
+            param.mark_for_reduction = _names(comm_cp_name)
+
+    @torch.no_grad()
+    def load_serial(self, layer_norm):
+        self.norm.load_state_dict(layer_norm.state_dict())
+
+    def forward(self, x):
+        return self.norm(x)

@@ -1,0 +1,173 @@
+"""Autograd functions that move activations between parallel regions, each the adjoint of the other's backward.
+
+Each takes the name of a process group (utils.comm: "tp", "cp", ...) and is a no-op on a group of size 1 (or an
+unknown name), so the same model code runs serially. Sequence splits may be uneven (`shapes` = sizes per rank).
+Collectives inside autograd functions break torch.compile graphs: the wrappers are marked compiler.disable.
+"""
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed.helpers import _gather, _reduce, _reduce_scatter, _split, compute_split_shapes
+from utils import comm
+
+
+class _CopyToParallelRegion(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce(grad, ctx.name), None
+
+
+class _ReduceFromParallelRegion(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        return _reduce(x, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToParallelRegion(torch.autograd.Function):
+    """Forward: split along dim, keep this rank's chunk. Backward: all-gather of the gradient along dim."""
+
+    @staticmethod
+    def forward(ctx, x, dim, name):
+        ctx.dim, ctx.name = dim, name
+        ctx.shapes = compute_split_shapes(x.shape[dim], comm.get_size(name))
+        return _split(x, dim, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None
+
+
+class _GatherFromParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along dim. Backward: split of the gradient, keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, dim, shapes, name):
+        ctx.dim, ctx.name = dim, name
+        return _gather(x, dim, shapes, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.name), None, None, None
+
+
+class _AllGatherFromParallelRegion(torch.autograd.Function):
+    """Forward: all-gather along dim. Backward: reduce-scatter (sum) of the gradient along dim."""
+
+    @staticmethod
+    def forward(ctx, x, dim, shapes, name):
+        ctx.dim, ctx.name = dim, name
+        ctx.shapes = shapes or [x.shape[dim]] * comm.get_size(name)
+        return _gather(x, dim, shapes, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
+
+
+class _ReduceScatterToParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter (sum) along dim. Backward: all-gather of the gradient along dim."""
+
+    @staticmethod
+    def forward(ctx, x, dim, shapes, name):
+        ctx.dim, ctx.name = dim, name
+        ctx.shapes = shapes or compute_split_shapes(x.shape[dim], comm.get_size(name))
+        return _reduce_scatter(x, dim, ctx.shapes, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
+
+
+def _active(name):
+    return name is not None and comm.get_size(name) > 1
+
+
+@torch.compiler.disable
+def copy_to_parallel_region(x, comm_name):
+    """Identity forward; all-reduce of the gradient over `comm_name` backward (enter a column-parallel layer)."""
+    return _CopyToParallelRegion.apply(x, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def reduce_from_parallel_region(x, comm_name):
+    """All-reduce over `comm_name` forward; identity backward (leave a row-parallel layer)."""
+    return _ReduceFromParallelRegion.apply(x, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def scatter_to_parallel_region(x, dim, comm_name):
+    """Keep this rank's chunk along `dim` forward; all-gather of the gradient backward."""
+    return _ScatterToParallelRegion.apply(x, dim, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def gather_from_parallel_region(x, dim, shapes, comm_name):
+    """All-gather along `dim` forward (`shapes`: sizes per rank); keep this rank's gradient chunk backward."""
+    return _GatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def all_gather_from_parallel_region(x, dim, shapes, comm_name):
+    """All-gather along `dim` forward; reduce-scatter (sum) of the gradient backward (keys and values over cp)."""
+    return _AllGatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
+    """Reduce-scatter (sum) along `dim` forward; all-gather of the gradient backward."""
+    return _ReduceScatterToParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+
+
+def _reduce_marked_gradients(state, bucket):
+    """DDP comm hook: average the bucket over "dp"; then sum the gradients of weights shared over another group
+    (their `mark_for_reduction`, e.g. ["cp"]: each cp rank saw only its part of the sequence) over that group."""
+    dp_group = comm.get_group("dp")
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer.div_(comm.get_size("dp")), group=dp_group, async_op=True).get_future()
+
+    def sum_shared(fut):
+        reduced = fut.value()[0]
+        for name in [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]:
+            grads = [g for p, g in zip(bucket.parameters(), bucket.gradients()) if name in
+                     getattr(p, "mark_for_reduction", [])]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=comm.get_group(name))
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        return reduced
+
+    return future.then(sum_shared)
+
+
+def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_cap_mb=25, broadcast_buffers=True,
+                                       find_unused_parameters=False, gradient_as_bucket_view=True,
+                                       static_graph=False):
+    """DDP over the data-parallel group; with context parallelism, a comm hook that also sums the gradients of
+    cp-shared weights over "cp". Returns the model unchanged when not distributed."""
+    if not dist.is_initialized():
+        return model
+    ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=output_device,
+                                  process_group=comm.get_group("dp"), bucket_cap_mb=bucket_cap_mb,
+                                  broadcast_buffers=broadcast_buffers and comm.get_size("cp") == 1,
+                                  find_unused_parameters=find_unused_parameters,
+                                  gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+    if comm.get_size("tp-cp") > 1:
+        ddp.register_comm_hook(None, _reduce_marked_gradients)
+    return ddp

@@ -1,0 +1,94 @@
+"""Checkpoints independent of the layout that wrote them: gather on save, shard on load.
+
+A model-parallel rank holds shards. Saving gathers them (over tp; cp shards activations, not weights) into the
+state dict the serial model has, under the serial names, and does the same for the optimizer's per-parameter
+state (Adam's moments have the parameters' shapes). Loading takes this rank's shard of each serial tensor. So a
+checkpoint written at tp=2 x cp=2 loads at tp=1, in train.py, or at any other layout, and the reverse.
+Gathering is collective: every rank of the model-parallel group calls these functions in the same order.
+"""
+import torch
+
+from distributed.helpers import _gather
+from distributed.layers import DistributedLayerNorm, DistributedMatmul
+from utils import comm
+from utils.errors import UserError
+
+
+def _owner(model, name):
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+def serial_name(model, name):
+    """The serial model's name of parameter `name` (a DistributedLayerNorm keeps its LayerNorm as `.norm`)."""
+    module_name, _, attr = name.rpartition(".")
+    parent, _, last = module_name.rpartition(".")
+    if last == "norm" and parent and isinstance(model.get_submodule(parent), DistributedLayerNorm):
+        return f"{parent}.{attr}"
+    return name
+
+
+def to_serial(model, name, tensor):
+    """The whole (serial-shaped) tensor of which `tensor` is this rank's shard for parameter `name`."""
+    module, attr = _owner(model, name)
+    if not isinstance(module, DistributedMatmul):
+        return tensor
+    if attr == "weight":
+        tensor = _gather(tensor, 0, None, module.comm_out_name) if comm.get_size(module.comm_out_name) > 1 else tensor
+        return _gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
+    if comm.get_size(module.comm_out_name) > 1:
+        tensor = _gather(tensor, 2, None, module.comm_out_name)
+    return tensor.reshape(-1)
+
+
+def from_serial(model, name, tensor):
+    """This rank's shard, for parameter `name`, of the serial-shaped `tensor`."""
+    module, attr = _owner(model, name)
+    if not isinstance(module, DistributedMatmul):
+        return tensor
+    shard = module._shard(tensor, 0, module.comm_out_name)
+    return module._shard(shard, 1, module.comm_inp_name) if attr == "weight" else shard.reshape(1, 1, -1)
+
+
+def serial_state_dict(model):
+    """model.state_dict() as the serial model would hold it (collective)."""
+    return {serial_name(model, name): to_serial(model, name, tensor.detach())
+            for name, tensor in model.state_dict().items()}
+
+
+def load_serial_state_dict(model, state, path):
+    """Load a serial state dict into a (possibly distributed) model; one line naming the first misfit."""
+    local = {}
+    for name, param in model.state_dict().items():
+        key = serial_name(model, name)
+        if key not in state:
+            raise UserError(f"checkpoint '{path}' has no '{key}'; it was written for another model or config")
+        shard = from_serial(model, name, state[key])
+        if tuple(shard.shape) != tuple(param.shape):
+            raise UserError(f"checkpoint '{path}' holds '{key}' of shape {tuple(state[key].shape)}, which does not "
+                            "fit this config's model; resume with the config that wrote it, or start a new --run_num")
+        local[name] = shard
+    unexpected = set(state) - {serial_name(model, name) for name in local}
+    if unexpected:
+        raise UserError(f"checkpoint '{path}' holds '{sorted(unexpected)[0]}', which this config's model does not "
+                        "have; resume with the config that wrote it, or start a new --run_num")
+    model.load_state_dict(local)
+
+
+def _map_optimizer_state(model, state_dict, convert):
+    names = [name for name, _ in model.named_parameters()]  # the optimizer was built on model.parameters()
+    state = {}
+    for index in sorted(state_dict["state"]):
+        state[index] = {key: convert(model, names[index], value) if torch.is_tensor(value) and value.dim() else value
+                        for key, value in sorted(state_dict["state"][index].items())}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def serial_optimizer_state(model, optimizer):
+    """optimizer.state_dict() with every per-parameter tensor gathered to the serial shape (collective)."""
+    return _map_optimizer_state(model, optimizer.state_dict(), to_serial)
+
+
+def load_serial_optimizer_state(model, optimizer, state_dict):
+    """Load an optimizer state of the serial layout into the optimizer of a (possibly distributed) model."""
+    optimizer.load_state_dict(_map_optimizer_state(model, state_dict, from_serial))
