@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp clean
+.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,9 @@ bench-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
 
 bench-mp: install $(DATA_DIR)/stats/global_stds.npy
 	$(PY) -m benchmarks.bench_mp --data_dir $(DATA_DIR) --out bench_results/mp_demo.json
+
+bench-loader: install
+	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --out bench_results/loader_era5.json
 
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json

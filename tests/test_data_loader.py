@@ -114,3 +114,30 @@ def test_files_open_lazily(data):
     dataset[T + 3]
     assert dataset.files[0] is None and dataset.files[1] is not None
     assert torch.is_tensor(dataset[0][0])
+
+
+def test_whole_batch_read_equals_the_per_sample_path_bitwise(data):
+    """__getitems__ reads a batch into one buffer and normalises in place; it must return exactly the stacked
+    per-sample items (which normalise with temporaries): a difference would be a silent change of the data."""
+    dataset = ERA5Dataset(make_params(data), str(data / "train"), train=True)
+    indices = [5, 0, 17, 3, len(dataset) - 1]
+    inp, tar = dataset.__getitems__(indices)
+    assert inp.shape == (5, dataset.n_channels, dataset.img_h, dataset.img_w) and inp.dtype == torch.float32
+    assert torch.equal(inp, torch.stack([dataset[i][0] for i in indices]))
+    assert torch.equal(tar, torch.stack([dataset[i][1] for i in indices]))
+    assert not torch.equal(inp[0], inp[1])  # different samples (the comparison can fail)
+
+
+def test_bench_loader_reports_every_loader_against_the_raw_rate(tmp_path):
+    import json
+
+    from benchmarks import bench_loader
+    out = tmp_path / "loader.json"
+    assert bench_loader.main(["--data_dir", str(tmp_path / "era5"), "--height", "16", "--width", "32", "--nbatches",
+                              "2", "--workers", "0", "2", "--out", str(out)]) == 0
+    rows = {row["loader"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"raw h5py (1 thread)", "per-sample (the loader before), 0 workers", "PyTorch, 0 workers",
+                         "PyTorch, 2 workers", "DALI, 0 workers", "DALI, 2 workers"}
+    assert all(row["samples_per_sec"] > 0 for row in rows.values())
+    assert rows["PyTorch, 0 workers"]["ratio_to_raw"] == pytest.approx(
+        rows["PyTorch, 0 workers"]["samples_per_sec"] / rows["raw h5py (1 thread)"]["samples_per_sec"])

@@ -120,7 +120,7 @@ def write_yaml(tmp_path, **changes):
     ("heads", "embed_dim 190 is not divisible by num_heads 6"),
     ("num_iters", "num_iters is 0; it must be at least 1"),
     ("amp_mode", "argument --amp_mode: invalid choice: 'fp8'"),
-    ("dali", "data_loader_config 'dali' is not available yet"),
+    ("dali", "data_loader_config 'dali-lowmem' is unknown for ERA5; choose one of: pytorch, dali"),
     ("batch", "has 256 samples, fewer than one global batch of 512"),
 ])
 def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
@@ -135,7 +135,7 @@ def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
         "heads": ["--yaml_config", write_yaml(tmp_path, embed_dim=190), "--config", "bad"],
         "num_iters": ["--num_iters", "0"],
         "amp_mode": ["--amp_mode", "fp8"],
-        "dali": ["--data_loader_config", "dali"],
+        "dali": ["--data_loader_config", "dali-lowmem"],
         "batch": ["--local_batch_size", "512"],
     }[case]
     with pytest.raises(SystemExit) as exit_info:

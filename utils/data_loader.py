@@ -13,7 +13,7 @@ import os
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
 from utils import comm
 from utils.errors import UserError
@@ -134,6 +134,31 @@ class ERA5Dataset(Dataset):
             steps.setdefault(self.files_paths[year_idx], []).append(f"{step}(+{self.dt})")
         return "; ".join(f"{path} time steps {', '.join(found)}" for path, found in steps.items())
 
+    def __getitems__(self, indices):
+        """A whole batch: every sample read straight into one (B, C, H, W) buffer per output, then normalised in
+        place. No per-sample arrays, no temporaries, no collate copy (the DataLoader hands the batch on as is);
+        the values are bitwise those of __getitem__ stacked."""
+        shape = (len(indices), self.n_channels, self.img_h, self.img_w)
+        inp_tensor, tar_tensor = _batch_buffer(shape), _batch_buffer(shape)
+        inp, tar = inp_tensor.numpy(), tar_tensor.numpy()
+        for row, index in enumerate(indices):
+            year_idx, step = self._position(index)
+            self._read_into(year_idx, step, inp[row])
+            self._read_into(year_idx, step + self.dt, tar[row])
+        for batch in (inp, tar):
+            batch -= self.means
+            batch /= self.stds
+        return inp_tensor, tar_tensor
+
+    def _read_into(self, year_idx, step, out):
+        try:
+            if self.files[year_idx] is None:
+                self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
+            self.files[year_idx].read_direct(out, source_sel=np.s_[step, :, :self.img_h, :self.img_w])
+        except OSError as err:  # a file truncated or damaged after the start-up check
+            raise UserError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
+                            "copy it again or regenerate the data") from None
+
     def __getitem__(self, global_idx):
         year_idx, local_idx = self._position(global_idx)
         inp = (self._read(year_idx, local_idx) - self.means) / self.stds
@@ -145,9 +170,9 @@ def get_dataset(params, train):
     """The training or validation dataset of the config's `dataset` (era5, cosmo, cifar100, imagefolder)."""
     name = params.get("dataset", "era5")
     if name == "era5":
-        if params.data_loader_config != "pytorch":
-            raise UserError(f"data_loader_config '{params.data_loader_config}' is not available yet for ERA5; "
-                            "use --data_loader_config pytorch")
+        if params.data_loader_config not in ("pytorch", "dali"):
+            raise UserError(f"data_loader_config '{params.data_loader_config}' is unknown for ERA5; choose one of: "
+                            "pytorch, dali")
         return ERA5Dataset(params, params.train_data_path if train else params.valid_data_path, train)
     if name == "cosmo":
         from utils.data_loader_cosmo import CosmoDataset
@@ -210,6 +235,8 @@ class TorchLoader:
     def first_batch(self):
         """The first batch of epoch 0, as the loop will see it (for the step-0 values)."""
         probe = self._probe()
+        if hasattr(probe, "__getitems__"):
+            return probe.__getitems__(self._indices(0, 0))
         return default_collate([probe[i] for i in self._indices(0, 0)])
 
     def describe(self, epoch, step):
@@ -234,11 +261,30 @@ def get_data_loader(params, train):
     workers = params.num_data_workers
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+    if params.data_loader_config == "dali" and params.get("dataset", "era5") == "era5":
+        from utils.data_loader_dali import DALILoader
+        return DALILoader(params, dataset, sampler, batch_size, train)
+    # datasets that read whole batches (ERA5: __getitems__) hand them on without a collate copy
+    collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                         num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
                         persistent_workers=workers > 0, worker_init_fn=_seed_worker,
                         generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
     return TorchLoader(dataset, sampler, loader)
+
+
+def _batch_buffer(shape):
+    """A float32 tensor to read a batch into. In the main process a numpy allocation (numpy asks for huge pages
+    for large arrays: 4x fewer page faults than torch.empty here); in a loader worker, shared memory already, so
+    that handing the batch to the main process copies nothing (as default_collate does for what it stacks)."""
+    if get_worker_info() is None:
+        return torch.from_numpy(np.empty(shape, dtype=np.float32))
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+
+
+def _batched_already(batch):
+    return batch
 
 
 def _seed_worker(worker_id):

@@ -294,7 +294,7 @@ def log_step0(run, model, first_batch, valid_loader, to_device, loss_fn, metrics
     """The step-0 TensorBoard points: loss of the first training batch and of the first validation batch (and
     the validation metrics), before any update, averaged over `group`."""
     inp, tar = to_device(*first_batch)
-    val_inp, val_tar = to_device(*next(iter(valid_loader)))
+    val_inp, val_tar = to_device(*valid_loader.first_batch())  # not consumed: validation stays whole
     model.eval()  # measure only: no dropout, no BatchNorm statistics updated
     with torch.no_grad(), autocast:
         values = [loss_fn(model(inp), tar), loss_fn(val_gen := model(val_inp), val_tar)]
