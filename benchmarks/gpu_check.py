@@ -82,6 +82,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--tests", default="tests", help="where pytest looks for the tests marked gpu")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: make gpu-check needs an NVIDIA GPU (torch.cuda.is_available() is False here); run it on a "
@@ -93,9 +94,9 @@ def main(argv=None):
     failures = []
 
     if not args.skip_tests:
-        log("CUDA-only tests: pytest -m gpu tests")
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"],
-                               cwd=REPO_ROOT, capture_output=True, text=True)
+        log(f"CUDA-only tests: pytest -m gpu {args.tests}")
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", args.tests, "-p",
+                                "no:cacheprovider"], cwd=REPO_ROOT, capture_output=True, text=True)
         summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
         print(tests.stdout[-5000:], flush=True)
         report["gpu_tests"] = {"exit_code": tests.returncode, "summary": summary}

@@ -133,27 +133,24 @@ def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
 
 
 def _reduce_marked_gradients(state, bucket):
-    """DDP comm hook: average the bucket over "dp"; then sum the gradients of weights shared over another group
-    (their `mark_for_reduction`, e.g. ["cp"]: each cp rank saw only its part of the sequence) over that group."""
-    dp_group = comm.get_group("dp")
+    """DDP comm hook: sum the gradients of weights shared over another group (their `mark_for_reduction`, e.g.
+    ["cp"]: each cp rank saw only its part of the sequence) over that group, then average the bucket over "dp".
+    Both are linear, so their order does not matter; the group sums run here, synchronously, because DDP calls
+    the hook for the buckets in the same order on every rank (a callback on the dp future could run them in
+    another order on each rank with gloo)."""
+    for name in [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]:
+        grads = [g for p, g in zip(bucket.parameters(), bucket.gradients())
+                 if name in getattr(p, "mark_for_reduction", [])]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=comm.get_group(name))
+            offset = 0
+            for g in grads:  # views into the bucket's buffer
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
     buffer = bucket.buffer()
-    future = dist.all_reduce(buffer.div_(comm.get_size("dp")), group=dp_group, async_op=True).get_future()
-
-    def sum_shared(fut):
-        reduced = fut.value()[0]
-        for name in [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]:
-            grads = [g for p, g in zip(bucket.parameters(), bucket.gradients()) if name in
-                     getattr(p, "mark_for_reduction", [])]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=comm.get_group(name))
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-        return reduced
-
-    return future.then(sum_shared)
+    return dist.all_reduce(buffer.div_(comm.get_size("dp")), group=comm.get_group("dp"),
+                           async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_cap_mb=25, broadcast_buffers=True,

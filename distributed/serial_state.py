@@ -29,16 +29,18 @@ def serial_name(model, name):
 
 
 def to_serial(model, name, tensor):
-    """The whole (serial-shaped) tensor of which `tensor` is this rank's shard for parameter `name`."""
+    """The whole (serial-shaped) tensor of which `tensor` is this rank's shard for parameter `name`, on the CPU
+    (a checkpoint's full copies must not pile up in GPU memory)."""
     module, attr = _owner(model, name)
     if not isinstance(module, DistributedMatmul):
-        return tensor
+        return tensor.cpu()
     if attr == "weight":
         tensor = _gather(tensor, 0, None, module.comm_out_name) if comm.get_size(module.comm_out_name) > 1 else tensor
-        return _gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
+        tensor = _gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
+        return tensor.cpu()
     if comm.get_size(module.comm_out_name) > 1:
         tensor = _gather(tensor, 2, None, module.comm_out_name)
-    return tensor.reshape(-1)
+    return tensor.reshape(-1).cpu()
 
 
 def from_serial(model, name, tensor):

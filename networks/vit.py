@@ -176,6 +176,9 @@ def check_vit_params(params):
         raise UserError(f"embed_dim {params.embed_dim} is not divisible by num_heads "
                         f"{params.num_heads}; choose num_heads that divides embed_dim")
     tp, cp = comm.get_size("tp"), comm.get_size("cp")
+    if cp > 1 and float(params.dropout) > 0:
+        raise UserError(f"dropout {params.dropout} with context parallelism (cp = {cp}) would draw different masks "
+                        "for the chunks of one sample on each cp rank; set dropout: 0 for cp > 1")
     if tp * cp > 1:  # heads and MLP width split over tp, tokens over cp
         comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=4 * params.embed_dim,
                            seq_len=(img_h // params.patch_size) * (img_w // params.patch_size))

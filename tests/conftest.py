@@ -31,10 +31,12 @@ def era5_dir(tmp_path_factory):
     return str(out)
 
 
-def as_spawned_rank(rank, world, port, **extra):
-    """Environment of a rank spawned by a test: gloo on the CPU (also on a GPU node, where several ranks would
-    otherwise share one GPU under NCCL), rendezvous on localhost."""
-    os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+def as_spawned_rank(rank, world, port, gpu=False, **extra):
+    """Environment of a rank spawned by a test, rendezvous on localhost: gloo on the CPU (also on a GPU node, where
+    several ranks would otherwise share one GPU under NCCL), or with `gpu` NCCL on GPU number `rank`."""
+    if not gpu:
+        extra["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), **extra)
 
 

@@ -55,6 +55,20 @@ def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 256  # shards disjoint and covering
 
 
+def test_dali_workers_start_after_the_step0_batch_was_read(era5_dir):
+    """first_batch() opens HDF5 files in the main process; the pipeline's spawned workers must not get them
+    (h5py handles cannot be pickled), and validation passes reuse their pipeline."""
+    valid = loader(era5_dir, "dali", False, num_data_workers=1)
+    expected = loader(era5_dir, "pytorch", False).first_batch()
+    torch.testing.assert_close(valid.first_batch()[0], expected[0], **ROUNDING)
+    first_pass = [inp.clone() for inp, _ in valid]
+    pipeline = valid.iterator
+    second_pass = [inp.clone() for inp, _ in valid]
+    assert valid.iterator is pipeline and len(first_pass) == len(second_pass) == len(valid)
+    torch.testing.assert_close(second_pass[0], first_pass[0], **ROUNDING)
+    torch.testing.assert_close(first_pass[0], expected[0], **ROUNDING)
+
+
 def test_dali_resumes_mid_epoch_and_its_first_batch_consumes_nothing(era5_dir):
     torch_loader = loader(era5_dir, "pytorch", True)
     dali_loader = loader(era5_dir, "dali", True)

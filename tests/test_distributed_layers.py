@@ -87,8 +87,8 @@ def _shard_like(full, param, name):
     return torch.chunk(full, tp, dim=0)[rank].view(param.shape)
 
 
-def _layer_cases(rank, world, port, layouts, results):
-    as_spawned_rank(rank, world, port)
+def _layer_cases(rank, world, port, layouts, results, device="cpu"):
+    as_spawned_rank(rank, world, port, gpu=device == "cuda")
     from distributed.helpers import compute_split_shapes
     from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
     from networks.vit import MLP, Attention
@@ -101,12 +101,13 @@ def _layer_cases(rank, world, port, layouts, results):
         embed, heads, batch = 16, 4, 2
         cp_shapes = compute_split_shapes(seq, cp)
         torch.manual_seed(0)  # the same serial weights, input and output gradient on every rank
-        x, grad_out = torch.randn(batch, seq, embed), torch.randn(batch, seq, embed)
+        x, grad_out = torch.randn(batch, seq, embed).to(device), torch.randn(batch, seq, embed).to(device)
         cases = {"mlp": (MLP(embed, 4 * embed), DistributedMLP(embed, 4 * embed)),
                  "attention": (Attention(embed, heads), DistributedAttention(embed, num_heads=heads, qkv_bias=True,
                                                                             cp_shapes=cp_shapes)),
                  "layernorm": (torch.nn.LayerNorm(embed, eps=1e-6), DistributedLayerNorm(embed))}
         for label, (serial, distributed) in cases.items():
+            serial, distributed = serial.to(device), distributed.to(device)
             with torch.no_grad():
                 for p in serial.parameters():  # non-trivial norms and biases
                     p.add_(0.1 * torch.randn_like(p))
@@ -116,9 +117,9 @@ def _layer_cases(rank, world, port, layouts, results):
     comm.destroy()
 
 
-def run_layouts(world, layouts):
+def run_layouts(world, layouts, device="cpu"):
     results = mp.Manager().dict()
-    mp.spawn(_layer_cases, args=(world, free_port(), layouts, results), nprocs=world)
+    mp.spawn(_layer_cases, args=(world, free_port(), layouts, results, device), nprocs=world)
     return dict(results)
 
 
@@ -138,6 +139,14 @@ def test_tp_and_cp_on_two_ranks_match_the_serial_layers():
 def test_tp_times_cp_on_four_ranks_matches_the_serial_layers():
     # 10 tokens over cp=4 split [3, 3, 3, 1] (uneven, gloo); tp=2 x cp=2 with an odd length; tp=4
     check(run_layouts(4, [(1, 4, 10), (2, 2, 9), (4, 1, 8)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL variant needs 2 GPUs (one per rank)")
+def test_tp_and_cp_over_nccl_match_the_serial_layers():
+    """The same comparisons on GPUs with NCCL (real reduce-scatter, padded uneven all-gathers; fp32 matmuls,
+    TF32 being off by default)."""
+    check(run_layouts(2, [(2, 1, 8), (1, 2, 9)], device="cuda"))
 
 
 def _dtensor_cross_check(rank, world, port, results):

@@ -4,6 +4,7 @@ bad files and flags, a full disk, a killed rank under torchrun. Each test fails 
 A failure points to utils/training.py (lock, meter, checkpoints), utils/comm.py (rendezvous), utils/checkpoint.py,
 utils/YParams.py, utils/cli.py, the data loaders, or train.py's loop.
 """
+import gc
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 import train
 import utils.checkpoint
@@ -59,8 +61,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(small_era5, t
         with h5py.File(path, "r+") as f:
             f["fields"][...] = np.nan
     line = fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "20"),
-                      r"training loss is not finite \(nan or inf\) at iteration 11 \(epoch 2, step 4; .*\.h5 time "
-                      r"steps .*\); stopped without saving, the last good checkpoint is kept")
+                      r"training loss is not finite \(nan or inf\) at iteration 11 \(rank 0's batch: epoch 2, step 4: "
+                      r".*\.h5 time steps .*\); stopped without saving, the last good checkpoint is kept")
     assert "2000.h5" in line  # the file the bad samples came from
     assert open(checkpoint, "rb").read() == good and not os.path.exists(checkpoint + ".tmp")
 
@@ -68,27 +70,35 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(small_era5, t
 def test_second_run_in_the_same_directory_is_refused_until_the_first_ends(small_era5, tmp_path, capsys):
     run_dir = run_dir_of(tmp_path)
     os.makedirs(run_dir)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils.training import RunDirectoryLock; "
-                               f"RunDirectoryLock({run_dir!r}); print('locked', flush=True); time.sleep(120)"],
+    # the holder forks a child (as a loader worker is): killing the holder alone must free the directory
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from utils.training import RunDirectoryLock; "
+                               f"RunDirectoryLock({run_dir!r}); child = os.fork(); child or time.sleep(60); "
+                               "print('locked', child, flush=True); time.sleep(120)"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        word, child = holder.stdout.readline().split()
+        assert word == "locked"
         fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"),
                    rf"run directory '.*' is in use by process {holder.pid} on .*; wait for that run to end")
-    finally:
         holder.send_signal(signal.SIGKILL)  # a killed run: its lock must not block the next start
         holder.wait()
-    train.main(tiny(small_era5, tmp_path, "--num_iters", "2"))
+        train.main(tiny(small_era5, tmp_path, "--num_iters", "2"))  # while the forked child still lives
+    finally:
+        holder.kill()
+        if child:
+            os.kill(int(child), signal.SIGKILL)
     train.main(tiny(small_era5, tmp_path, "--num_iters", "4"))  # the lock was released at the end of the last run
     assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == 4
 
 
 def all_points(expdir):
+    """{tag: [(step, value), ...]} as TensorBoard shows them (a duplicated point would appear twice)."""
     events = EventAccumulator(os.path.join(run_dir_of(expdir), "logs"))
     events.Reload()
     timings = {"Avg iters per sec", "Avg samples per sec"}
-    return {(tag, e.step): e.value for tag in events.Tags()["scalars"] if tag not in timings
-            for e in events.Scalars(tag)}
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag not in timings}
 
 
 def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path, monkeypatch):
@@ -102,6 +112,8 @@ def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path
     def dying_validate(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
+            for writer in [o for o in gc.get_objects() if type(o) is SummaryWriter]:
+                writer.flush()  # epoch 2's training points reach the disk before the kill: stale points to purge
             raise KeyboardInterrupt  # the job is killed during epoch 2's validation
         return real_validate(*args, **kwargs)
 
@@ -111,8 +123,11 @@ def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path
     monkeypatch.setattr(train, "validate", real_validate)
     train.main(tiny(small_era5, tmp_path / "split", *flags))
     whole, split = all_points(tmp_path / "whole"), all_points(tmp_path / "split")
-    assert sorted(split) == sorted(whole) and ("Loss/valid", 12) in split
-    assert split == pytest.approx(whole, rel=1e-6)
+    assert sorted(split) == sorted(whole)
+    for tag, points in whole.items():  # the same steps, each once, and the same values
+        assert [step for step, _ in split[tag]] == [step for step, _ in points], tag
+        assert [value for _, value in split[tag]] == pytest.approx([value for _, value in points], rel=1e-6), tag
+    assert 12 in [step for step, _ in split["Loss/valid"]]
 
 
 def test_missing_peer_times_out_with_one_line(tmp_path):

@@ -108,6 +108,11 @@ class ERA5Dataset(Dataset):
     def __len__(self):
         return self.n_samples_total
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["files"] = [None] * len(self.files_paths)  # open h5py handles cannot be pickled (spawned workers)
+        return state
+
     def _read(self, year_idx, step):
         try:
             if self.files[year_idx] is None:
@@ -218,6 +223,8 @@ class TorchLoader:
         probe = copy.copy(self.dataset)
         if hasattr(probe, "rng"):
             probe.rng = None
+        if hasattr(probe, "files"):  # its own (lazily opened) file handles, not shared with the training copy
+            probe.files = [None] * len(probe.files)
         return probe
 
     @property

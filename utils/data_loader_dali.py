@@ -8,6 +8,7 @@ data-parallel rank), so both loaders return the same batches (normalisation with
 multiplies by 1/std). Epoch length, drop_last, limit_nsamples and validation's last partial batch follow the
 PyTorch loader; looking at the first batch (step 0) does not consume it.
 """
+import copy
 import math
 import warnings
 
@@ -113,7 +114,9 @@ class DALILoader:
         # that stopped early (its iterator sits mid-epoch)
         if self.iterator is None or not self.exhausted or (self.epoch, self.skip) != self.expected:
             self._build()
-        self.expected, self.exhausted = (self.epoch + 1, 0), False
+        # training moves on by epochs; validation's order does not depend on the epoch, so its pipeline is reused
+        self.expected = (self.epoch + 1, 0) if self.train else (self.epoch, self.skip)
+        self.exhausted = False
         for batch in self.iterator:
             yield batch[0]["inp"], batch[0]["tar"]
         self.exhausted = True
@@ -131,7 +134,9 @@ class DALILoader:
         return order[step * self.batch_size:(step + 1) * self.batch_size]
 
     def first_batch(self):
-        return self.dataset.__getitems__(self._indices(0, 0))
+        probe = copy.copy(self.dataset)
+        probe.files = [None] * len(probe.files)  # handles opened here stay out of the pipeline's workers
+        return probe.__getitems__(self._indices(0, 0))
 
     def describe(self, epoch, step):
         return self.dataset.describe(self._indices(epoch, step))

@@ -59,10 +59,17 @@ class RunDirectoryLock:
                         f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
         self.file.flush()
         register_cleanup(self.release)
+        # a forked child (a loader worker) would share the lock and keep it after this process is killed
+        os.register_at_fork(after_in_child=self._close_in_child)
+
+    def _close_in_child(self):
+        if not self.file.closed:
+            self.file.close()  # closes the child's copy only; the lock stays with the parent
 
     def release(self):
         if not self.file.closed:
-            self.file.close()  # closing drops the flock
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
 
 
 @dataclass
@@ -125,7 +132,11 @@ def start_run(args, params, layout):
     if error:
         raise UserError(error)
 
-    run.resume_path = args.resume or (checkpoint_path if os.path.isfile(checkpoint_path) else None)
+    # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
+    # state); rank 0 decides, so every rank starts at the same iteration
+    run.resume_path = comm.broadcast_from_rank0(checkpoint_path if os.path.isfile(checkpoint_path) else args.resume)
+    if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
+        logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")
     if run.resume_path and not params.enable_benchy:
         run.checkpoint = load_checkpoint(run.resume_path)
         written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
@@ -235,20 +246,26 @@ class EpochMeter:
     def describe(self, iteration):
         """Where this rank's batch of a (1-based) iteration came from."""
         epoch, step = divmod(iteration - 1, len(self.loader))
-        return f"epoch {epoch + 1}, step {step}; this rank's batch: {self.loader.describe(epoch, step)}"
+        return f"epoch {epoch + 1}, step {step}: {self.loader.describe(epoch, step)}"
 
     def stop_if_not_finite(self, iters):
         """Collective check of the losses so far: if any rank saw a nan/inf loss, every rank stops with a line
         naming the first such iteration and its samples, before anything is saved."""
         finite = torch.isfinite(torch.stack(self.losses).float()) if self.losses else torch.ones(0, dtype=bool)
         bad = (~finite).nonzero()
-        first = float(iters - self.steps + 1 + bad[0].item()) if len(bad) else math.inf
-        first = comm.all_reduce_min(torch.tensor([first], dtype=torch.float64, device=self.device)).item()
+        local = float(iters - self.steps + 1 + bad[0].item()) if len(bad) else math.inf
+        first = comm.all_reduce_min(torch.tensor([local], dtype=torch.float64, device=self.device)).item()
         if math.isfinite(first):
             first = int(first)
-            raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} "
-                            f"({self.describe(first)}); stopped without saving, the last good checkpoint is kept; "
-                            "check the input data (or lower lr, or use bf16 instead of fp16)")
+            # name the batch of a rank that saw it (every rank raises the same line)
+            seen = [(local, self.describe(first) if local == first else None)]
+            if dist.is_initialized():
+                seen = [None] * dist.get_world_size()
+                dist.all_gather_object(seen, (local, self.describe(first) if local == first else None))
+            where = next(f"rank {rank}'s batch: {text}" for rank, (at, text) in enumerate(seen) if at == first)
+            raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} ({where}); stopped "
+                            "without saving, the last good checkpoint is kept; check the input data (or lower lr, "
+                            "or use bf16 instead of fp16)")
 
 
 def set_train_mode(model, freeze_bn):
