@@ -40,6 +40,8 @@ def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
     seen = []
     for rank in (0, 1):
         for train_split in (True, False):
+            if workers and (rank, train_split) != (1, True):  # with workers (slow to start): one shard, training
+                continue
             torch_loader = loader(era5_dir, "pytorch", train_split, 2, rank, num_data_workers=workers)
             dali_loader = loader(era5_dir, "dali", train_split, 2, rank, num_data_workers=workers)
             assert type(dali_loader).__name__ == "DALILoader" and len(dali_loader) == len(torch_loader)
@@ -52,7 +54,8 @@ def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
             if train_split:
                 torch_loader.set_epoch(0)
                 seen.append(set(torch_loader.sampler))
-    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 256  # shards disjoint and covering
+    if not workers:
+        assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 256  # shards disjoint and covering
 
 
 def test_dali_workers_start_after_the_step0_batch_was_read(era5_dir):

@@ -11,7 +11,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,6 @@ class Run:
     rank: int = 0
     lock: RunDirectoryLock = None
     writer: SummaryWriter = None
-    extra: dict = field(default_factory=dict)
 
 
 def _make_run_dir(exp_dir):
