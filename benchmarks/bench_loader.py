@@ -53,6 +53,16 @@ def endless(iterable_factory):
         yield from iterable_factory()
 
 
+def epochs(loader):
+    """The loader's batches epoch after epoch, told each epoch as the training loop tells it (a DALI loader
+    that is not told starts a new pipeline for what it must take as a jump)."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default="data/era5_360x720")
@@ -60,14 +70,14 @@ def main(argv=None):
     parser.add_argument("--height", type=int, default=360)
     parser.add_argument("--width", type=int, default=720)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--nbatches", type=int, default=12)
+    parser.add_argument("--nbatches", type=int, default=10)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
     args = parser.parse_args(argv)
     from utils.data_loader import get_data_loader
     from utils.sample_data import write_era5
     if not os.path.isdir(os.path.join(args.data_dir, "train")):
         print(f"[bench_loader] generating {args.height} x {args.width} sample data in {args.data_dir}", flush=True)
-        write_era5(args.data_dir, height=args.height, width=args.width, steps_per_year=24, train_years=1,
+        write_era5(args.data_dir, height=args.height, width=args.width, steps_per_year=48, train_years=1,
                    valid_years=1, test_years=1, verbose=False)
     params = loader_params(args.data_dir, args.batch, 0, args.height, args.width)
     loader = get_data_loader(params, train=True)
@@ -103,7 +113,7 @@ def main(argv=None):
             params.data_loader_config = config
             batches = get_data_loader(params, train=True)
             label = f"{'PyTorch' if config == 'pytorch' else 'DALI'}, {workers} workers"
-            timed(label, endless(batches.__iter__), args.nbatches, args.batch, rows, raw)
+            timed(label, epochs(batches), args.nbatches, args.batch, rows, raw)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
     write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
