@@ -21,6 +21,7 @@ import numpy as np
 from torch.utils.data import default_collate
 
 from utils.atomic import write_json
+from utils.benchy import endless_batches
 from utils.errors import ArgumentParser
 
 
@@ -51,16 +52,6 @@ def timed(label, batches, nbatches, batch, rows, raw_rate=None):
 def endless(iterable_factory):
     while True:
         yield from iterable_factory()
-
-
-def epochs(loader):
-    """The loader's batches epoch after epoch, told each epoch as the training loop tells it (a DALI loader
-    that is not told starts a new pipeline for what it must take as a jump)."""
-    epoch = 0
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def main(argv=None):
@@ -113,7 +104,8 @@ def main(argv=None):
             params.data_loader_config = config
             batches = get_data_loader(params, train=True)
             label = f"{'PyTorch' if config == 'pytorch' else 'DALI'}, {workers} workers"
-            timed(label, epochs(batches), args.nbatches, args.batch, rows, raw)
+            # told each epoch as training does (a DALI loader takes an untold epoch for a jump: a new pipeline)
+            timed(label, endless_batches(batches), args.nbatches, args.batch, rows, raw)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
     write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,

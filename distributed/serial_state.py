@@ -11,7 +11,7 @@ import torch
 from distributed.helpers import _gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
 from utils import comm
-from utils.errors import UserError
+from utils.checkpoint import load_model_state
 
 
 def _owner(model, name):
@@ -60,21 +60,8 @@ def serial_state_dict(model):
 
 def load_serial_state_dict(model, state, path):
     """Load a serial state dict into a (possibly distributed) model; one line naming the first misfit."""
-    local = {}
-    for name, param in model.state_dict().items():
-        key = serial_name(model, name)
-        if key not in state:
-            raise UserError(f"checkpoint '{path}' has no '{key}'; it was written for another model or config")
-        shard = from_serial(model, name, state[key])
-        if tuple(shard.shape) != tuple(param.shape):
-            raise UserError(f"checkpoint '{path}' holds '{key}' of shape {tuple(state[key].shape)}, which does not "
-                            "fit this config's model; resume with the config that wrote it, or start a new --run_num")
-        local[name] = shard
-    unexpected = set(state) - {serial_name(model, name) for name in local}
-    if unexpected:
-        raise UserError(f"checkpoint '{path}' holds '{sorted(unexpected)[0]}', which this config's model does not "
-                        "have; resume with the config that wrote it, or start a new --run_num")
-    model.load_state_dict(local)
+    load_model_state(model, state, path, saved_name=lambda name: serial_name(model, name),
+                     shard=lambda name, tensor: from_serial(model, name, tensor))
 
 
 def _map_optimizer_state(model, state_dict, convert):

@@ -34,22 +34,26 @@ def load_checkpoint(path):
                         "it is not a checkpoint written by train.py") from None
 
 
-def load_model_state(model, state, path):
+def load_model_state(model, state, path, saved_name=lambda name: name, shard=lambda name, tensor: tensor):
     """model.load_state_dict(state), after checking that names and shapes fit; else one line naming the first
-    parameter that does not."""
-    expected = model.state_dict()
-    for name, tensor in expected.items():
-        if name not in state:
-            raise UserError(f"checkpoint '{path}' has no '{name}'; it was written for another model or config")
-        if tuple(state[name].shape) != tuple(tensor.shape):
-            raise UserError(f"checkpoint '{path}' holds '{name}' of shape {tuple(state[name].shape)}, but this "
-                            f"config's model has {tuple(tensor.shape)}; resume with the config that wrote it, "
-                            "or start a new --run_num")
-    unexpected = [name for name in state if name not in expected]
+    parameter that does not. A model-parallel model passes the saved (serial) name of each of its parameters
+    and the function that cuts its shard out of the saved tensor (distributed/serial_state.py)."""
+    local = {}
+    for name, param in model.state_dict().items():
+        key = saved_name(name)
+        if key not in state:
+            raise UserError(f"checkpoint '{path}' has no '{key}'; it was written for another model or config")
+        local[name] = shard(name, state[key])
+        if tuple(local[name].shape) != tuple(param.shape):
+            sharded = " (this rank's shard)" if tuple(local[name].shape) != tuple(state[key].shape) else ""
+            raise UserError(f"checkpoint '{path}' holds '{key}' of shape {tuple(state[key].shape)}, but this "
+                            f"config's model has {tuple(param.shape)}{sharded}; resume with the config that wrote "
+                            "it, or start a new --run_num")
+    unexpected = sorted(set(state) - {saved_name(name) for name in local})
     if unexpected:
         raise UserError(f"checkpoint '{path}' holds '{unexpected[0]}', which this config's model does not have; "
                         "resume with the config that wrote it, or start a new --run_num")
-    model.load_state_dict(state)
+    model.load_state_dict(local)
 
 
 def get_rng_states():

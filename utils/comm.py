@@ -202,6 +202,21 @@ def all_reduce_min(tensor):
     return tensor
 
 
+def on_rank0(action):
+    """`action()` on rank 0 alone (its result there, None elsewhere). If it raises a UserError every rank raises
+    it, instead of the others waiting forever at their next collective."""
+    result, error = None, None
+    if get_world_rank() == 0:
+        try:
+            result = action()
+        except UserError as err:
+            error = str(err)
+    error = broadcast_from_rank0(error)
+    if error:
+        raise UserError(error)
+    return result
+
+
 def broadcast_from_rank0(obj):
     """Rank 0's `obj` on every rank (a picklable Python object); also a barrier."""
     if not dist.is_initialized():

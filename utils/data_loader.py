@@ -5,6 +5,7 @@ through one interface (`TorchLoader` here; the DALI loaders offer the same): ite
 = steps per epoch, set_epoch(epoch, skip) to start an epoch after `skip` steps (exact resume), sample_shape,
 first_batch() for the step-0 values, describe(epoch, step) to name the samples of a batch in error messages.
 """
+import contextlib
 import copy
 import glob
 import logging
@@ -113,14 +114,20 @@ class ERA5Dataset(Dataset):
         state["files"] = [None] * len(self.files_paths)  # open h5py handles cannot be pickled (spawned workers)
         return state
 
-    def _read(self, year_idx, step):
+    @contextlib.contextmanager
+    def _fields(self, year_idx, step):
+        """The year's `fields` dataset (opened lazily, once per process) to read time step `step` from."""
         try:
             if self.files[year_idx] is None:
                 self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
-            return self.files[year_idx][step, :, :self.img_h, :self.img_w]
+            yield self.files[year_idx]
         except OSError as err:  # a file truncated or damaged after the start-up check
             raise UserError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
                             "copy it again or regenerate the data") from None
+
+    def _read(self, year_idx, step):
+        with self._fields(year_idx, step) as fields:
+            return fields[step, :, :self.img_h, :self.img_w]
 
     def _position(self, global_idx):
         """(year file index, input time step) of sample `global_idx`."""
@@ -156,13 +163,8 @@ class ERA5Dataset(Dataset):
         return inp_tensor, tar_tensor
 
     def _read_into(self, year_idx, step, out):
-        try:
-            if self.files[year_idx] is None:
-                self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
-            self.files[year_idx].read_direct(out, source_sel=np.s_[step, :, :self.img_h, :self.img_w])
-        except OSError as err:  # a file truncated or damaged after the start-up check
-            raise UserError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
-                            "copy it again or regenerate the data") from None
+        with self._fields(year_idx, step) as fields:
+            fields.read_direct(out, source_sel=np.s_[step, :, :self.img_h, :self.img_w])
 
     def __getitem__(self, global_idx):
         year_idx, local_idx = self._position(global_idx)
@@ -186,15 +188,7 @@ def get_dataset(params, train):
         from utils.data_loader_images import get_image_dataset
         # rank 0 first: it may download CIFAR-100 (when the config allows); if it fails, every rank stops
         # with its message instead of waiting for it forever
-        dataset, error = None, None
-        if params.data_shard_id == 0:
-            try:
-                dataset = get_image_dataset(params, train, download_ok=True)
-            except UserError as err:
-                error = str(err)
-        error = comm.broadcast_from_rank0(error)
-        if error:
-            raise UserError(error)
+        dataset = comm.on_rank0(lambda: get_image_dataset(params, train, download_ok=True))
         return dataset if dataset is not None else get_image_dataset(params, train, download_ok=False)
     raise UserError(f"dataset '{name}' is unknown; choose one of: era5, cosmo, cifar100, imagefolder")
 
@@ -217,41 +211,45 @@ class TorchLoader:
         """Next iteration gives the batches of `epoch` (its shuffle order), leaving out its first `skip` steps."""
         self.sampler.set_epoch(epoch, skip=skip * self.batch_size)
 
-    def _probe(self):
-        """A copy of the dataset for looking at samples: drawing from it leaves the training stream untouched
-        (datasets with their own random generator, like the cosmology crops, get a fresh one)."""
-        probe = copy.copy(self.dataset)
-        if hasattr(probe, "rng"):
-            probe.rng = None
-        if hasattr(probe, "files"):  # its own (lazily opened) file handles, not shared with the training copy
-            probe.files = [None] * len(probe.files)
-        return probe
-
     @property
     def sample_shape(self):
         """Shape of one input sample, e.g. (C, H, W)."""
-        return tuple(self._probe()[0][0].shape)
-
-    def _indices(self, epoch, step):
-        saved = (self.sampler.epoch, self.sampler.skip)
-        self.sampler.set_epoch(epoch)
-        order = list(self.sampler)
-        self.sampler.set_epoch(saved[0], skip=saved[1])
-        return order[step * self.batch_size:(step + 1) * self.batch_size]
+        return tuple(probe_copy(self.dataset)[0][0].shape)
 
     def first_batch(self):
         """The first batch of epoch 0, as the loop will see it (for the step-0 values)."""
-        probe = self._probe()
+        probe, indices = probe_copy(self.dataset), batch_indices(self.sampler, self.batch_size, 0, 0)
         if hasattr(probe, "__getitems__"):
-            return probe.__getitems__(self._indices(0, 0))
-        return default_collate([probe[i] for i in self._indices(0, 0)])
+            return probe.__getitems__(indices)
+        return default_collate([probe[i] for i in indices])
 
     def describe(self, epoch, step):
         """The samples of batch `step` of `epoch` on this rank, by file where the dataset can tell."""
-        indices = self._indices(epoch, step)
+        indices = batch_indices(self.sampler, self.batch_size, epoch, step)
         if hasattr(self.dataset, "describe"):
             return self.dataset.describe(indices)
         return f"sample indices {', '.join(map(str, indices))}"
+
+
+def probe_copy(dataset):
+    """A copy of a dataset for looking at samples (step 0, shapes): drawing from it leaves the training stream
+    untouched (a dataset's own random generator starts afresh) and opens its own files (handles opened here
+    must not reach the training copy or a loader's workers)."""
+    probe = copy.copy(dataset)
+    if hasattr(probe, "rng"):
+        probe.rng = None
+    if hasattr(probe, "files"):
+        probe.files = [None] * len(probe.files)
+    return probe
+
+
+def batch_indices(sampler, batch_size, epoch, step):
+    """The sample indices of batch `step` of `epoch` on this rank (the sampler's own position is kept)."""
+    saved = (sampler.epoch, sampler.skip)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    sampler.set_epoch(saved[0], skip=saved[1])
+    return order[step * batch_size:(step + 1) * batch_size]
 
 
 def get_data_loader(params, train):

@@ -8,13 +8,13 @@ data-parallel rank), so both loaders return the same batches (normalisation with
 multiplies by 1/std). Epoch length, drop_last, limit_nsamples and validation's last partial batch follow the
 PyTorch loader; looking at the first batch (step 0) does not consume it.
 """
-import copy
 import math
 import warnings
 
 import numpy as np
 import torch
 
+from utils.data_loader import batch_indices, probe_copy
 from utils.errors import UserError
 
 DALI_HINT = "use --data_loader_config pytorch, or install nvidia-dali-cuda120 (requirements.txt)"
@@ -126,17 +126,8 @@ class DALILoader:
     def sample_shape(self):
         return (self.dataset.n_channels, self.dataset.img_h, self.dataset.img_w)
 
-    def _indices(self, epoch, step):
-        saved = (self.sampler.epoch, self.sampler.skip)
-        self.sampler.set_epoch(epoch)
-        order = list(self.sampler)
-        self.sampler.set_epoch(saved[0], skip=saved[1])
-        return order[step * self.batch_size:(step + 1) * self.batch_size]
-
     def first_batch(self):
-        probe = copy.copy(self.dataset)
-        probe.files = [None] * len(probe.files)  # handles opened here stay out of the pipeline's workers
-        return probe.__getitems__(self._indices(0, 0))
+        return probe_copy(self.dataset).__getitems__(batch_indices(self.sampler, self.batch_size, 0, 0))
 
     def describe(self, epoch, step):
-        return self.dataset.describe(self._indices(epoch, step))
+        return self.dataset.describe(batch_indices(self.sampler, self.batch_size, epoch, step))

@@ -120,16 +120,7 @@ def start_run(args, params, layout):
     params.experiment_dir = exp_dir
     checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
     run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank())
-    # rank 0 creates and locks the directory; if that fails, every rank stops with its message
-    error = None
-    if run.rank == 0:
-        try:
-            run.lock = _make_run_dir(exp_dir)
-        except UserError as err:
-            error = str(err)
-    error = comm.broadcast_from_rank0(error)
-    if error:
-        raise UserError(error)
+    run.lock = comm.on_rank0(lambda: _make_run_dir(exp_dir))  # rank 0 creates and locks the directory
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration
@@ -192,15 +183,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
              "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params}
-    error = None
-    if run.rank == 0:
-        try:
-            save_checkpoint(run.checkpoint_path, state)
-        except UserError as err:
-            error = str(err)
-    error = comm.broadcast_from_rank0(error)
-    if error:
-        raise UserError(error)
+    comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
 
 
 class EpochMeter:
@@ -214,7 +197,7 @@ class EpochMeter:
 
     def start(self, partial=None):
         """A new epoch (or the rest of one: `partial` = the sums a checkpoint kept)."""
-        self.losses, self.metrics = [], []
+        self.losses, self.metrics, self.checked = [], [], 0
         self.prior = partial or {"steps": 0, "sums": {}}
 
     def add(self, loss, metrics):
@@ -250,9 +233,10 @@ class EpochMeter:
     def stop_if_not_finite(self, iters):
         """Collective check of the losses so far: if any rank saw a nan/inf loss, every rank stops with a line
         naming the first such iteration and its samples, before anything is saved."""
-        finite = torch.isfinite(torch.stack(self.losses).float()) if self.losses else torch.ones(0, dtype=bool)
-        bad = (~finite).nonzero()
-        local = float(iters - self.steps + 1 + bad[0].item()) if len(bad) else math.inf
+        new = self.losses[self.checked:]  # the earlier ones were finite
+        bad = (~torch.isfinite(torch.stack(new).float())).nonzero() if new else []
+        local = float(iters - len(new) + 1 + bad[0].item()) if len(bad) else math.inf
+        self.checked = self.steps
         first = comm.all_reduce_min(torch.tensor([local], dtype=torch.float64, device=self.device)).item()
         if math.isfinite(first):
             first = int(first)
