@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader clean
+.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -63,8 +63,25 @@ bench-mp: install $(DATA_DIR)/stats/global_stds.npy
 bench-loader: install
 	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --out bench_results/loader_era5.json
 
+# the cosmology crops (64^3 of a generated 128^3 box): PyTorch lowmem and DALI dali-lowmem vs raw reads
+bench-loader-cosmo: install
+	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --out bench_results/loader_cosmo.json
+
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json
+
+# real runs of each stage's demo config and the ViT data-parallel sweep (1, 2, 4 CPU ranks) into example_logs/:
+# out.log and TensorBoard events, no checkpoints (several minutes on 2 cores)
+# GPU only: ms/step eager vs CUDA graph (also step 4 of gpu-check)
+bench-graph: install
+	$(PY) -m benchmarks.bench_graph --out bench_results/gpu/bench_graph.json
+
+example-logs: install $(DATA_DIR)/stats/global_stds.npy $(COSMO_DIR)/downsamp_1024crop_valid.h5 $(CIFAR_DIR)/cifar-100-python/meta
+	$(PY) -m benchmarks.example_logs --out example_logs --era5_dir $(DATA_DIR) --cosmo_dir $(COSMO_DIR) --cifar_dir $(CIFAR_DIR)
+
+# tutorial_images/*.png from example_logs/ and bench_results/ (no new measurements)
+figures: install
+	$(PY) -m benchmarks.figures --logs example_logs --bench bench_results --out tutorial_images
 
 clean:
 	rm -rf logs __pycache__ */__pycache__ .pytest_cache

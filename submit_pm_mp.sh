@@ -11,32 +11,72 @@
 #SBATCH --module=gpu,nccl-plugin
 #SBATCH -J vit-era5-mp
 #SBATCH -o %x-%j.out
-# Model parallel (tp x cp x dp over 4 GPUs per node): sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=4
-# (CUDA Graphs: train_mp_graphs in the original; here train_graph.py once it lands)
+# Model parallel (tp x cp x dp, 4 ranks a node, one per GPU) in the container (shifter). Submit from the
+# repository root; every argument after the script name reaches the Python script unchanged.
+#   sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=4                              # 16 GPUs
+#   sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=2 --context_parallel=2
+#   TRAINING_SCRIPT=train_mp_graphs.py sbatch -N 4 submit_pm_mp.sh ...                       # with CUDA graphs
+# Environment: as submit_pm.sh (TRAINING_SCRIPT [train_mp.py], DATADIR, LOGDIR, IMAGE, ENABLE_PROFILING,
+# PROFILE_OUTPUT, BENCHY_OUTPUT); README "Running on Perlmutter" lists them with their defaults.
+
+TRAINING_SCRIPT=${TRAINING_SCRIPT:-train_mp.py}
+case "$TRAINING_SCRIPT" in
+    train.py | train_graph.py | train_mp.py | train_mp_graphs.py) ;;
+    *) echo "error: TRAINING_SCRIPT='$TRAINING_SCRIPT' is not one of train.py, train_graph.py, train_mp.py," \
+            "train_mp_graphs.py" >&2
+       exit 2 ;;
+esac
+if [ ! -f "$TRAINING_SCRIPT" ]; then
+    echo "error: $TRAINING_SCRIPT is not in $PWD; submit from the repository root (the job runs where sbatch ran)" >&2
+    exit 2
+fi
+if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
+    echo "error: not inside a Slurm job; submit with sbatch (or run it in an salloc allocation)" >&2
+    exit 2
+fi
 
 DATADIR=${DATADIR:-/pscratch/sd/s/shas1693/data/dl-at-scale-training-data}
-LOGDIR=${LOGDIR:-${SCRATCH}/dl-at-scale-training/logs}
-mkdir -p ${LOGDIR}
-args="${@}"
+if [ -z "${LOGDIR:-}" ] && [ -z "${SCRATCH:-}" ]; then
+    echo "error: neither LOGDIR nor SCRATCH is set; set LOGDIR (default \$SCRATCH/dl-at-scale-training/logs)" >&2
+    exit 2
+fi
+LOGDIR=${LOGDIR:-$SCRATCH/dl-at-scale-training/logs}
+mkdir -p "$LOGDIR" || exit 2
 
 export HDF5_USE_FILE_LOCKING=FALSE
 
-# Profiling: nsys captures the window train.py opens with cudaProfilerStart/Stop (4th epoch by default)
-if [ "${ENABLE_PROFILING:-0}" -eq 1 ]; then
-    echo "Enabling profiling..."
-    NSYS_ARGS="--trace=cuda,cublas,nvtx --cuda-graph-trace=node --kill none -c cudaProfilerApi -f true"
-    NSYS_OUTPUT=${LOGDIR}/${PROFILE_OUTPUT:-profile}
-    export PROFILE_CMD="nsys profile $NSYS_ARGS -o $NSYS_OUTPUT"
+# rank 0 runs on the first node of the allocation: the others meet it there (also from other nodes)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR
+
+# Reversing order of GPUs to match default CPU affinities from Slurm (CUDA_VISIBLE_DEVICES set empty, i.e. no
+# GPU, stays empty: the ranks then run on the CPU with gloo)
+if [ -n "${CUDA_VISIBLE_DEVICES-unset}" ]; then
+    export CUDA_VISIBLE_DEVICES=3,2,1,0
 fi
 
-export MASTER_ADDR=$(hostname)
+command=(python "$TRAINING_SCRIPT" "$@")
+# Profiling: nsys records the window the script opens with cudaProfilerStart/Stop (4th epoch by default);
+# with several ranks each writes its own file (nsys fills in %q{SLURM_PROCID})
+if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
+    echo "Enabling profiling..."
+    nsys_args=("--trace=cuda,cublas,nvtx" --kill none -c cudaProfilerApi -f true)
+    case "$TRAINING_SCRIPT" in
+        *graph*) nsys_args+=(--cuda-graph-trace=node) ;;  # kernels inside CUDA graphs, one by one
+    esac
+    nsys_output=$LOGDIR/${PROFILE_OUTPUT:-profile}
+    if [ "${SLURM_NTASKS:-$((${SLURM_NNODES:-1} * ${SLURM_NTASKS_PER_NODE:-1}))}" != 1 ]; then
+        nsys_output=${nsys_output}_rank'%q{SLURM_PROCID}'
+    fi
+    command=(nsys profile "${nsys_args[@]}" -o "$nsys_output" "${command[@]}")
+fi
 
-# Reversing order of GPUs to match default CPU affinities from Slurm
-export CUDA_VISIBLE_DEVICES=3,2,1,0
+shifter_args=(-V "$DATADIR:/data" -V "$LOGDIR:/logs")
+if [ -n "${IMAGE:-}" ]; then
+    shifter_args=(--image="$IMAGE" "${shifter_args[@]}")
+fi
 
 set -x
-srun -u shifter -V ${DATADIR}:/data -V ${LOGDIR}:/logs \
-    bash -c "
-    source export_DDP_vars.sh
-    ${PROFILE_CMD} python train_mp.py ${args}
-    "
+# the command travels as positional parameters of `bash -c` (never re-parsed: spaces and quotes survive)
+# shellcheck disable=SC2016  # $@ is expanded by the inner bash, after export_DDP_vars.sh
+srun -u shifter "${shifter_args[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' bash "${command[@]}"

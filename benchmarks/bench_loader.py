@@ -1,6 +1,7 @@
-"""Benchmark: how much of the disk's read rate the ERA5 loader delivers (JSON + table).
+"""Benchmark: how much of the disk's read rate the loaders deliver (JSON + table), ERA5 or the cosmology crops.
 
     python -m benchmarks.bench_loader --data_dir data/era5_360x720 [--out bench_results/loader_era5.json]
+    python -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 [--out bench_results/loader_cosmo.json]
 
 Generates ERA5 sample data at the real 360 x 720 size if `--data_dir` holds none, then reads the same training
 sample pairs (x(t), x(t+dt); 2 x 20 x 360 x 720 float32 = 41.5 MB) several ways, page cache warm (one
@@ -10,6 +11,17 @@ untimed pass first):
   PyTorch, N workers   the loader train.py uses (whole batches read into one buffer, normalised in place)
   DALI, N workers      `--data_loader_config dali`: N Python workers read, DALI normalises (CPU here)
 Each rate is samples/s and its ratio to the raw rate of the same run.
+
+`--dataset cosmo` generates a `--box`^3 training box (HDF5 and the .npy copies) if `--data_dir` holds none, and reads
+the same random `--crop`^3 crops (the corners the loaders' crop_plan gives for epoch 0, input and target) these ways:
+  raw h5py       h5py reads of the windows from the HDF5 file into fresh arrays (1 thread): the reference the ratios
+                 are taken against (what the lowmem loader reads)
+  raw npy        numpy memory map of the channels-last .npy, each crop window copied out (1 thread): extra
+                 information (how much faster a memory map reads the same windows)
+  PyTorch lowmem, N workers   `--data_loader_config lowmem` (HDF5 windows read into the batch, rotation with numpy)
+  DALI, N threads             `--data_loader_config dali-lowmem` (DALI's ROI reads of the .npy windows, the rotation
+                              in the pipeline; N CPU threads)
+Batches default to 4 sample pairs for ERA5 and 16 crops for the cosmology boxes: about 160 MB a batch either way.
 """
 import os
 import platform
@@ -44,7 +56,7 @@ def timed(label, batches, nbatches, batch, rows, raw_rate=None):
         next(batches)
     rate = nbatches * batch / (time.perf_counter() - start)
     rows.append({"loader": label, "samples_per_sec": rate, "ratio_to_raw": rate / raw_rate if raw_rate else 1.0})
-    ratio = f" ({rate / raw_rate:.0%} of raw)" if raw_rate else ""
+    ratio = f" ({rate / raw_rate:.0%} of raw h5py)" if raw_rate else ""
     print(f"[bench_loader] {label}: {rate:.1f} samples/s{ratio}", flush=True)
     return rate
 
@@ -56,14 +68,24 @@ def endless(iterable_factory):
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default="data/era5_360x720")
-    parser.add_argument("--out", default="bench_results/loader_era5.json")
+    parser.add_argument("--dataset", choices=["era5", "cosmo"], default="era5")
+    parser.add_argument("--data_dir", default=None, help="default: data/era5_360x720, or data/cosmo_<box>")
+    parser.add_argument("--out", default=None, help="default: bench_results/loader_<dataset>.json")
     parser.add_argument("--height", type=int, default=360)
     parser.add_argument("--width", type=int, default=720)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--box", type=int, default=128, help="cosmo: edge of the generated training box")
+    parser.add_argument("--crop", type=int, default=64, help="cosmo: crop edge (the original data_size)")
+    parser.add_argument("--batch", type=int, default=None, help="default: 4 (ERA5), 16 (cosmo): ~160 MB a batch")
     parser.add_argument("--nbatches", type=int, default=10)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4], help="PyTorch loader workers")
+    parser.add_argument("--threads", type=int, nargs="+", default=[2, 4], help="cosmo: DALI threads")
     args = parser.parse_args(argv)
+    args.out = args.out or f"bench_results/loader_{args.dataset}.json"
+    args.batch = args.batch or (16 if args.dataset == "cosmo" else 4)
+    if args.dataset == "cosmo":
+        args.data_dir = args.data_dir or f"data/cosmo_{args.box}"
+        return cosmo_main(args)
+    args.data_dir = args.data_dir or "data/era5_360x720"
     from utils.data_loader import get_data_loader
     from utils.sample_data import write_era5
     if not os.path.isdir(os.path.join(args.data_dir, "train")):
@@ -110,6 +132,70 @@ def main(argv=None):
     write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
                           "sample_pair_mb": pair_mb, "rows": rows})
+    print(f"[bench_loader] written to {args.out}")
+    return 0
+
+
+
+def cosmo_params(data_dir, config, batch, workers, crop, epoch_steps):
+    from utils.cli import apply_overrides, training_parser
+    from utils.YParams import YParams
+    params = YParams(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "UNet.yaml"),
+                     "base")
+    args = training_parser("bench").parse_args(["--data_dir", data_dir, "--local_batch_size", str(batch),
+                                                "--num_data_workers", str(workers), "--data_loader_config", config])
+    apply_overrides(params, args, dp_size=1, dp_rank=0)
+    params.update({"data_size": crop, "Nsamples": batch * epoch_steps})
+    return params
+
+
+def cosmo_main(args):
+    """The cosmology crops: raw reads of the same windows, then the PyTorch and DALI loaders."""
+    from utils.data_loader import get_data_loader
+    from utils.sample_data.cosmo import TRAIN_FILE, write_cosmo
+    if not os.path.isfile(os.path.join(args.data_dir, TRAIN_FILE)):
+        print(f"[bench_loader] generating a {args.box}^3 cosmology box in {args.data_dir}", flush=True)
+        write_cosmo(args.data_dir, train_size=args.box, valid_size=16, verbose=False)
+    epoch_steps = args.nbatches + 2
+    loader = get_data_loader(cosmo_params(args.data_dir, "lowmem", args.batch, 0, args.crop, epoch_steps), train=True)
+    dataset = loader.dataset
+    loader.set_epoch(0)
+    corners = [dataset.plan(key).corner for key in loader.sampler]
+    basename = os.path.join(args.data_dir, TRAIN_FILE[:-3])
+    memmaps = [np.load(f"{basename}_{kind}.npy", mmap_mode="r") for kind in ("data", "label")]
+    h5 = h5py.File(os.path.join(args.data_dir, TRAIN_FILE), "r")
+    fields = [h5["Nbody"], h5["Hydro"]]
+    edge = args.crop
+
+    def raw_batches(read):
+        for first in range(0, len(corners) - args.batch + 1, args.batch):
+            yield [read(z, y, x) for z, y, x in corners[first:first + args.batch]]
+
+    def npy_window(z, y, x):  # copied out of the page cache, channels-last as stored
+        return [np.array(m[z:z + edge, y:y + edge, x:x + edge]) for m in memmaps]
+
+    def h5_window(z, y, x):
+        return [f[:, z:z + edge, y:y + edge, x:x + edge] for f in fields]
+
+    for read in (npy_window, h5_window):  # warm the page cache
+        for _ in raw_batches(read):
+            pass
+    import torch
+    dali_label = f"DALI ({'GPU' if torch.cuda.is_available() else 'CPU'})"
+    rows = []
+    raw = timed("raw h5py (1 thread)", endless(lambda: raw_batches(h5_window)), args.nbatches, args.batch, rows)
+    timed("raw npy memmap (1 thread)", endless(lambda: raw_batches(npy_window)), args.nbatches, args.batch, rows, raw)
+    for config, counts, unit in (("lowmem", args.workers, "workers"), ("dali-lowmem", args.threads, "threads")):
+        for count in counts:
+            params = cosmo_params(args.data_dir, config, args.batch, count, args.crop, epoch_steps)
+            label = f"{'PyTorch lowmem' if config == 'lowmem' else dali_label}, {count} {unit}"
+            timed(label, endless_batches(get_data_loader(params, train=True)), args.nbatches, args.batch, rows, raw)
+    h5.close()
+    sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
+    write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                          "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
+                          "nbatches": args.nbatches, "sample_pair_mb": sample_mb,
+                          "raw_reference": "raw h5py (1 thread)", "rows": rows})
     print(f"[bench_loader] written to {args.out}")
     return 0
 

@@ -8,7 +8,11 @@
 3. train.py's built-in benchmark (--enable_benchy: IO, SYNTHETIC, FULL) for the ViT `short` config in bf16, the
    UNet `short` config and the ResNet `bs256-amp-nhwc-extra-opts` config: samples/s, MFU against the datasheet
    peak, peak memory.
-Everything runs even after a failure; the exit code is non-zero if anything failed. About 6 minutes on one H100.
+4. CUDA Graphs: ms per step of train.py against train_graph.py (benchmarks/bench_graph.py: a small ViT, the ViT
+   `short` config in bf16, the UNet `short` config; with --tiny the small ViT only). Needs CUDA: skipped (and
+   said so in the report) with --allow-cpu on a machine without it.
+Everything runs even after a failure; the exit code is non-zero if anything failed. About 6 minutes on one H100 for
+steps 1-3 (step 4 has not been timed on a GPU yet).
 `--tiny --allow-cpu` runs the same steps with the `tiny` configs (a check of this script on any machine).
 """
 import json
@@ -116,6 +120,17 @@ def main(argv=None):
         else:
             failures.append(f"{name}: {result['error'][0]}")
             log(f"{name} FAILED: {result['error'][0]}")
+
+    if torch.cuda.is_available():
+        from benchmarks import bench_graph
+        log("CUDA Graphs: train.py against train_graph.py, ms per step")
+        report["cuda_graphs"] = bench_graph.run(args.tiny, os.path.abspath(args.work),
+                                                os.path.join(os.path.abspath(args.work), "bench_graph"))
+        failures += [f"cuda graphs {failure}" for failure in report["cuda_graphs"]["failures"]]
+        print(bench_graph.table(report["cuda_graphs"]), flush=True)
+    else:
+        report["cuda_graphs"] = {"skipped": "CUDA Graphs need a CUDA GPU"}
+        log("CUDA Graphs benchmark skipped: no CUDA GPU")
     report["failures"] = failures
     write_json(args.out, report)
     log(f"report written to {args.out}")

@@ -1,8 +1,10 @@
 """Cosmology sample data, the .npy converter and the crop dataset.
 
 Failures point to: utils/sample_data/cosmo.py (file layout, dtype, determinism, overwrite guard, value ranges),
-utils/convert_to_npy.py (channels-last copies, CLI errors), utils/data_loader_cosmo.py (crop rule, RNG per
-rank/worker, deterministic validation, the rotation group and input/target getting the same transform).
+utils/convert_to_npy.py (channels-last copies, CLI errors), utils/data_loader_cosmo.py (crop rule, crop_plan as a
+function of (seed, epoch, index) and CropSampler's keys: crops differ per rank and epoch, not per worker count;
+deterministic validation, the rotation group, input/target getting the same transform, the .npy reads of the
+dali-lowmem mode).
 """
 import argparse
 import itertools
@@ -16,10 +18,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import utils.convert_to_npy as convert_to_npy
-from utils.data_loader_cosmo import ROTATIONS, CosmoDataset, rotate
+from utils.cli import apply_overrides, training_parser
+from utils.data_loader import get_data_loader
+from utils.data_loader_cosmo import ROTATIONS, CosmoDataset, CropPlan, crop_plan, rotate
 from utils.errors import UserError
 from utils.sample_data.common import SampleDataError
 from utils.sample_data.cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
@@ -53,7 +56,7 @@ def coord_file(tmp_path_factory):
 def _params(train_path, val_path=None, **changes):
     params = YParams("config/UNet.yaml", "tiny")
     params.update({"train_path": str(train_path), "val_path": str(val_path or train_path),
-                   "data_loader_config": "inmem", "data_shard_id": 0, "seed": 0})
+                   "data_loader_config": "inmem", "seed": 0})
     params.update(changes)
     return params
 
@@ -191,10 +194,15 @@ def test_converter_streams_in_slabs(cosmo_dir, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- dataset
 
-@pytest.mark.parametrize("mode", ["synthetic", "inmem", "lowmem"])
+def _npy_paths(cosmo_dir):
+    return {f"{split}_path_npy_{kind}": str(cosmo_dir / f"{name[:-3]}_{kind}.npy")
+            for split, name in (("train", TRAIN_FILE), ("val", VALID_FILE)) for kind in ("data", "label")}
+
+
+@pytest.mark.parametrize("mode", ["synthetic", "inmem", "lowmem", "dali-lowmem"])
 def test_loader_modes_give_float32_crops(cosmo_dir, mode):
     params = _params(cosmo_dir / TRAIN_FILE, cosmo_dir / VALID_FILE, data_loader_config=mode, data_size=16,
-                     synthetic_box_size=24, Nsamples=5, Nsamples_val=3)
+                     synthetic_box_size=24, Nsamples=5, Nsamples_val=3, **_npy_paths(cosmo_dir))
     for train, length in ((True, 5), (False, 3)):
         dataset = CosmoDataset(params, train)
         assert len(dataset) == length
@@ -204,13 +212,47 @@ def test_loader_modes_give_float32_crops(cosmo_dir, mode):
         assert inp.is_contiguous() and tar.is_contiguous()
 
 
-def test_inmem_and_lowmem_read_the_same_crops(cosmo_dir):
+def test_inmem_lowmem_and_the_npy_copies_give_the_same_crops(cosmo_dir):
+    """dali-lowmem's dataset reads the channels-last .npy copies (the step-0 batch, the DALI loader's reference)."""
     items = []
-    for mode in ("inmem", "lowmem"):
-        dataset = CosmoDataset(_params(cosmo_dir / TRAIN_FILE, data_loader_config=mode, data_size=16), True)
-        items.append([dataset[i] for i in range(4)])
-    for (inp_a, tar_a), (inp_b, tar_b) in zip(*items):
-        assert torch.equal(inp_a, inp_b) and torch.equal(tar_a, tar_b)
+    for mode in ("inmem", "lowmem", "dali-lowmem"):
+        dataset = CosmoDataset(_params(cosmo_dir / TRAIN_FILE, data_loader_config=mode, data_size=16,
+                                       enable_flips=True, **_npy_paths(cosmo_dir)), True)
+        items.append([dataset[(epoch, i)] for epoch in (0, 3) for i in range(4)])
+    for (inp_a, tar_a), *others in zip(*items):
+        for inp_b, tar_b in others:
+            assert torch.equal(inp_a, inp_b) and torch.equal(tar_a, tar_b)
+
+
+@pytest.mark.parametrize("mode", ["synthetic", "inmem", "lowmem", "dali-lowmem"])
+def test_batched_reads_are_the_per_sample_items_bitwise(cosmo_dir, mode, monkeypatch):
+    """__getitems__ (the loaders' path: read into one batch buffer, turned by adjacent-axis swaps) against
+    __getitem__ stacked: random plans of two epochs, then every one of the 24 rotations with each of the 8 flip
+    patterns at moving corners, and validation (never turned)."""
+    params = _params(cosmo_dir / TRAIN_FILE, cosmo_dir / VALID_FILE, data_loader_config=mode, data_size=16,
+                     synthetic_box_size=24, enable_flips=True, **_npy_paths(cosmo_dir))
+
+    def assert_batches_equal(dataset, keys):
+        for first in range(0, len(keys), 4):
+            batch = keys[first:first + 4]
+            inp, tar = dataset.__getitems__(batch)
+            assert inp.shape == (len(batch), 4, 16, 16, 16) and tar.shape == (len(batch), 5, 16, 16, 16)
+            assert inp.is_contiguous() and tar.is_contiguous()
+            assert torch.equal(inp, torch.stack([dataset[key][0] for key in batch]))
+            assert torch.equal(tar, torch.stack([dataset[key][1] for key in batch]))
+
+    assert_batches_equal(CosmoDataset(params, True), [(epoch, i) for epoch in (0, 5) for i in range(12)])
+    assert_batches_equal(CosmoDataset(params, False), [(0, i) for i in range(5)])
+
+    def plan(self, key):
+        index = key[1]
+        flips = tuple(axis for axis in range(3) if (index // len(ROTATIONS)) >> axis & 1)
+        edge = self.box_shape[0] - self.crop_size
+        return CropPlan((index % (edge + 1), 3 * index % (edge + 1), edge - index % (edge + 1)),
+                        index % len(ROTATIONS), flips)
+
+    monkeypatch.setattr(CosmoDataset, "plan", plan)
+    assert_batches_equal(CosmoDataset(params, True), [(0, i) for i in range(8 * len(ROTATIONS))])
 
 
 def test_crops_stay_inside_the_box_and_reach_both_ends(coord_file):
@@ -230,30 +272,45 @@ def test_crops_stay_inside_the_box_and_reach_both_ends(coord_file):
     assert starts.max(axis=0).tolist() == [COORD_EDGE - crop] * 3  # the last voxel is reachable
 
 
-def test_ranks_and_workers_draw_different_crops(coord_file):
-    def first_starts(dataset, n=6):
-        return [tuple(dataset[i][0][:3, 0, 0, 0].tolist()) for i in range(n)]
-
-    np.random.seed(1)
-    rank0 = first_starts(CosmoDataset(_params(coord_file, data_size=4, data_shard_id=0), True))
-    rank1 = first_starts(CosmoDataset(_params(coord_file, data_size=4, data_shard_id=1), True))
-    assert rank0 != rank1
-    # the same rank again draws the same sequence: a function of (seed, rank, worker) only
+def test_a_crop_is_a_function_of_seed_epoch_and_index(coord_file):
+    dataset = CosmoDataset(_params(coord_file, data_size=4, enable_flips=True), True)
     np.random.seed(123)  # the global numpy RNG plays no part
-    assert first_starts(CosmoDataset(_params(coord_file, data_size=4), True)) == rank0
+    plans = {(epoch, i): dataset.plan((epoch, i)) for epoch in (0, 1) for i in range(20)}
+    assert plans[(1, 7)] == crop_plan(0, True, 1, 7, (COORD_EDGE,) * 3, 4, rotations=True, flips=True)
+    assert dataset.plan(7) == plans[(0, 7)]  # a plain index is epoch 0
+    assert len(set(plans.values())) == 40  # another epoch, another crop
+    assert crop_plan(1, True, 1, 7, (COORD_EDGE,) * 3, 4, rotations=True, flips=True) != plans[(1, 7)]  # seed
+    # the item is the plan's window (channels 0-2 hold each voxel's coordinates; a turn keeps the window's set)
+    assert dataset[(1, 7)][0][:3].amin(dim=(1, 2, 3)).tolist() == list(plans[(1, 7)].corner)
 
-    # item 0 goes to worker 0, item 1 to worker 1: each worker's first draw must differ
-    loader = DataLoader(CosmoDataset(_params(coord_file, data_size=4, Nsamples=2), True), batch_size=1,
-                        num_workers=2)
-    worker0, worker1 = (inp[0, :3, 0, 0, 0].tolist() for inp, _ in loader)
-    assert worker0 != worker1
+
+def _loader_params(coord_file, dp_size, dp_rank, workers):
+    params = YParams("config/UNet.yaml", "tiny")
+    args = training_parser("t").parse_args(["--local_batch_size", "2", "--num_data_workers", str(workers)])
+    apply_overrides(params, args, dp_size=dp_size, dp_rank=dp_rank)
+    params.update({"train_path": coord_file, "data_loader_config": "lowmem", "data_size": 4, "Nsamples": 12})
+    return params
+
+
+def test_ranks_and_epochs_draw_different_crops_and_workers_change_nothing(coord_file):
+    def corners(params, epoch):
+        loader = get_data_loader(params, train=True)
+        loader.set_epoch(epoch)
+        return [tuple(inp[:3].amin(dim=(1, 2, 3)).tolist()) for batch, _ in loader for inp in batch]
+
+    rank0, rank1 = (corners(_loader_params(coord_file, 2, rank, 0), 0) for rank in (0, 1))
+    assert len(rank0) == len(rank1) == 6 and rank0 != rank1  # the two ranks' crops differ (upstream's did not)
+    # one rank reads every index each epoch: the next epoch is another set of crops, not the same set reshuffled
+    assert set(corners(_loader_params(coord_file, 1, 0, 0), 1)) != set(corners(_loader_params(coord_file, 1, 0, 0), 0))
+    # worker processes read other keys of the same plan: 2 workers give exactly the batches of none, all different
+    assert corners(_loader_params(coord_file, 2, 0, 2), 0) == rank0 and len(set(rank0)) == 6
 
 
 def test_validation_crops_are_the_same_for_every_instance_and_order(coord_file):
     first = CosmoDataset(_params(coord_file, data_size=4, Nsamples_val=8), False)
     other_rank = CosmoDataset(_params(coord_file, data_size=4, Nsamples_val=8, data_shard_id=3), False)
-    items_first = {i: first[i] for i in (5, 2)}  # read in another order than below
-    items_other = {i: other_rank[i] for i in (2, 5)}
+    items_first = {i: first[(0, i)] for i in (5, 2)}  # read in another order than below, in another epoch
+    items_other = {i: other_rank[(4, i)] for i in (2, 5)}
     for i in (2, 5):
         assert torch.equal(items_first[i][0], items_other[i][0]) and torch.equal(items_first[i][1], items_other[i][1])
     assert not torch.equal(first[2][0], first[5][0])  # different items are different crops
@@ -332,10 +389,33 @@ def test_crop_larger_than_the_box_is_a_user_error(cosmo_dir, mode):
         CosmoDataset(params, False)  # but not the 16^3 validation box (or the 16^3 synthetic volume)
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("pytorch", "data_loader_config 'pytorch' is unknown; choose one of: synthetic, inmem, lowmem"),
-    ("dali-lowmem", "data_loader_config 'dali-lowmem' is not available yet"),
-])
-def test_unknown_loader_mode_is_a_user_error(cosmo_dir, mode, message):
-    with pytest.raises(UserError, match=message):
+@pytest.mark.parametrize("mode", ["pytorch", "dali"])
+def test_unknown_loader_mode_is_a_user_error(cosmo_dir, mode):
+    with pytest.raises(UserError, match=f"data_loader_config '{mode}' is unknown for the cosmology boxes; choose "
+                                        "one of: synthetic, inmem, lowmem, dali-lowmem"):
         CosmoDataset(_params(cosmo_dir / TRAIN_FILE, data_loader_config=mode), True)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"_label.npy' not found; the DALI loader reads the channels-last .npy copies: write them with "
+                r"`python -m utils.convert_to_npy -i FILE.h5 -d Nbody -l Hydro -o DIR`"),
+    ("channels_first", r"holds float32 \(4, 16, 16, 16\), expected float32 \(L, L, L, 4\) channels-last"),
+    ("truncated", "_data.npy' cannot be read"),
+    ("other_box", r"cover different boxes"),
+])
+def test_bad_npy_copies_are_one_clear_line(tmp_path, case, message):
+    data, label = tmp_path / "box_data.npy", tmp_path / "box_label.npy"
+    np.save(data, np.zeros((16, 16, 16, 4), dtype=np.float32))
+    np.save(label, np.zeros((16, 16, 16, 5), dtype=np.float32))
+    if case == "missing":
+        label.unlink()
+    elif case == "channels_first":
+        np.save(data, np.zeros((4, 16, 16, 16), dtype=np.float32))
+    elif case == "truncated":
+        data.write_bytes(data.read_bytes()[:1000])
+    else:
+        np.save(label, np.zeros((16, 16, 8, 5), dtype=np.float32))
+    params = _params(tmp_path / "unused.h5", data_loader_config="dali-lowmem", data_size=8,
+                     train_path_npy_data=str(data), train_path_npy_label=str(label))
+    with pytest.raises(UserError, match=message):
+        CosmoDataset(params, True)

@@ -120,7 +120,8 @@ def write_yaml(tmp_path, **changes):
     ("heads", "embed_dim 190 is not divisible by num_heads 6"),
     ("num_iters", "num_iters is 0; it must be at least 1"),
     ("amp_mode", "argument --amp_mode: invalid choice: 'fp8'"),
-    ("dali", "data_loader_config 'dali-lowmem' is unknown for ERA5; choose one of: pytorch, dali"),
+    ("dali", "data_loader_config 'dali-lowmem' is the cosmology boxes' DALI loader .*; for ERA5 choose one of: "
+             "pytorch, dali"),
     ("batch", "has 256 samples, fewer than one global batch of 512"),
 ])
 def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):

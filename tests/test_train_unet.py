@@ -2,7 +2,7 @@
 configs, and the built-in throughput benchmark (IO / SYNTHETIC / FULL) for the UNet and the ViT.
 
 A failure points to train.py, utils/cli.py (flag aliases), utils/benchy.py, or the UNet seams
-(networks/UNet.py, utils/data_loader_cosmo.py, the l1_rho loss in utils/loss.py).
+(networks/UNet.py, utils/data_loader_cosmo.py and utils/data_loader_dali_cosmo.py, the l1_rho loss in utils/loss.py).
 """
 import json
 import os
@@ -48,8 +48,9 @@ def test_every_original_config_loads(name):
 
 def test_opt_configs_really_run_optimised():
     """Upstream overwrote enable_amp/apex/jit from the command line, so *_opt silently ran unoptimised."""
-    params, _ = overridden("bs64_opt", ["--data_loader_config", "lowmem"], dp_size=4)
+    params, _ = overridden("bs64_opt", [], dp_size=4)
     assert (params.amp_mode, params.enable_fused, params.enable_jit) == ("fp16", True, True)
+    assert params.data_loader_config == "dali-lowmem"
     params, _ = overridden("short", [])
     assert (params.amp_mode, params.enable_fused, params.enable_jit) == ("none", False, False)
     params, _ = overridden("short_opt", ["--amp_mode", "none", "--no-enable_fused"])  # flags still win
@@ -94,10 +95,15 @@ def test_other_loader_configs_train(cosmo_dir, tmp_path, loader):
     assert f"Cosmo train data ({loader})" in log and f"Cosmo valid data ({loader})" in log  # the dataset's own line
 
 
-def test_dali_loader_is_refused_until_it_lands(cosmo_dir, tmp_path, capsys):
+def test_dali_loader_without_the_npy_copies_is_one_clear_line(tmp_path, capsys):
+    """dali-lowmem reads <basename>_data.npy / _label.npy; HDF5 files alone are refused with the command that
+    writes the copies (training with dali-lowmem: tests/test_dali_cosmo.py)."""
+    data = write_cosmo(tmp_path / "h5_only", npy=False, verbose=False)
     with pytest.raises(SystemExit) as exit_info:
-        run_unet(cosmo_dir, tmp_path, "--data_loader_config", "dali-lowmem")
-    assert exit_info.value.code == 2 and "dali-lowmem" in capsys.readouterr().err
+        run_unet(str(data), tmp_path, "--data_loader_config", "dali-lowmem")
+    err = [line for line in capsys.readouterr().err.splitlines() if " - root - " not in line]
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert "downsamp_2048crop_train_data.npy' not found" in err[0] and "python -m utils.convert_to_npy" in err[0]
 
 
 def test_missing_cosmology_data_is_one_clear_line(tmp_path):

@@ -30,7 +30,7 @@ def training_parser(description):
     add("--num_epochs", type=int, default=None, help="total training epochs (instead of num_iters)")
     add("--num_data_workers", type=int, default=None, help="data loader worker processes")
     add("--data_loader_config", type=str, default=None,
-        help="data loader: pytorch (ERA5, images); synthetic, inmem, lowmem (cosmology boxes)")
+        help="data loader: pytorch, dali (ERA5); pytorch (images); synthetic, inmem, lowmem, dali-lowmem (cosmology)")
     add("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size in MB")
     add("--disable_broadcast_buffers", action="store_true",
         help="DDP without buffer broadcast, gradients as bucket views")
@@ -141,7 +141,7 @@ def apply_overrides(params, args, dp_size, dp_rank):
         args.profile_iters = params.profiling_iters_per_epoch
 
     for key in list(params.params):
-        if key.endswith("_path") and isinstance(params[key], str):
+        if (key.endswith("_path") or "_path_" in key) and isinstance(params[key], str):  # also train_path_npy_data
             params[key] = reroot(params[key], params.get("data_root"), args.data_dir)
     params.data_num_shards = dp_size
     params.data_shard_id = dp_rank

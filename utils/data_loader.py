@@ -177,6 +177,9 @@ def get_dataset(params, train):
     """The training or validation dataset of the config's `dataset` (era5, cosmo, cifar100, imagefolder)."""
     name = params.get("dataset", "era5")
     if name == "era5":
+        if params.data_loader_config == "dali-lowmem":
+            raise UserError("data_loader_config 'dali-lowmem' is the cosmology boxes' DALI loader "
+                            "(config/UNet.yaml); for ERA5 choose one of: pytorch, dali")
         if params.data_loader_config not in ("pytorch", "dali"):
             raise UserError(f"data_loader_config '{params.data_loader_config}' is unknown for ERA5; choose one of: "
                             "pytorch, dali")
@@ -261,14 +264,18 @@ def get_data_loader(params, train):
         raise UserError(f"the training data has {len(dataset)} samples, fewer than one global batch of "
                         f"{params.local_batch_size * params.data_num_shards}; lower the batch size")
     # always a sampler, also on one rank: the shuffle order is then a function of (seed, epoch)
-    sampler = ResumableSampler(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
-                               shuffle=train, seed=params.seed, drop_last=train)
+    sampler_class = getattr(dataset, "sampler_class", ResumableSampler)  # cosmology: keys (epoch, index)
+    sampler = sampler_class(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
+                            shuffle=train, seed=params.seed, drop_last=train)
     workers = params.num_data_workers
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
     if params.data_loader_config == "dali" and params.get("dataset", "era5") == "era5":
         from utils.data_loader_dali import DALILoader
         return DALILoader(params, dataset, sampler, batch_size, train)
+    if params.data_loader_config == "dali-lowmem" and params.get("dataset") == "cosmo":
+        from utils.data_loader_dali_cosmo import CosmoDALILoader
+        return CosmoDALILoader(params, dataset, sampler, batch_size, train)
     # datasets that read whole batches (ERA5: __getitems__) hand them on without a collate copy
     collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,

@@ -1,23 +1,36 @@
 """PyTorch dataset for the cosmology boxes: random cubic crops of (Nbody, Hydro), rotated alike.
 
-Every item is a fresh random crop (the index only counts samples), so the dataset length `Nsamples` sets the
-epoch length. Modes (`data_loader_config`): 'synthetic' (random normal volumes in memory, no file), 'inmem'
-(both datasets read once at construction), 'lowmem' (only the crop window read from disk per sample).
+Every item is a random crop: the dataset length `Nsamples` sets the epoch length, and sample `index` of `epoch`
+is the crop `crop_plan(seed, train, epoch, index, ...)` names (corner, rotation, flips). That pure function is the
+one place crops come from: this dataset and the DALI loader (utils/data_loader_dali_cosmo.py) both apply it, so
+they return the same arrays; the crops do not depend on the number of loader workers, differ between
+data-parallel ranks (each reads its own shard of the indices) and between epochs, and a resumed run sees the same
+crops as an uninterrupted one. Validation crops depend on the index only: the same set every epoch.
+
+Modes (`data_loader_config`): 'synthetic' (random normal volumes in memory, no file), 'inmem' (both datasets read
+once at construction), 'lowmem' (only the crop window read from the HDF5 file per sample), 'dali-lowmem' (the DALI
+loader; this dataset then reads the same windows from the channels-last .npy copies, for the step-0 batch and as
+the reference the DALI pipeline is tested against).
 """
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
+from utils.data_loader import ResumableSampler, _batch_buffer
 from utils.errors import UserError
 
 COSMO_HINT = ("generate sample data with `python -m utils.sample_data cosmo --out data/cosmo` "
               "and pass --data_dir data/cosmo")
-LOADER_MODES = ("synthetic", "inmem", "lowmem")
+NPY_HINT = ("the DALI loader reads the channels-last .npy copies: write them with `python -m utils.convert_to_npy "
+            "-i FILE.h5 -d Nbody -l Hydro -o DIR` (the sample-data generator writes them too), or use "
+            "--data_loader_config lowmem")
+LOADER_MODES = ("synthetic", "inmem", "lowmem", "dali-lowmem")
 INPUT_FIELD, TARGET_FIELD = "Nbody", "Hydro"
 # first words of the RNG seeds: training, validation and synthetic draws never share a stream
 TRAIN_STREAM, VALID_STREAM, SYNTHETIC_STREAM = 0, 1, 2
@@ -43,6 +56,28 @@ def _proper_rotations():
 ROTATIONS = _proper_rotations()  # ROTATIONS[0] is the identity
 
 
+@dataclass(frozen=True)
+class CropPlan:
+    """Where one sample's crop lies and how it is turned (the same for input and target)."""
+    corner: tuple  # (z, y, x) of the crop's first voxel in the box
+    rotation: int  # index into ROTATIONS
+    flips: tuple  # spatial axes (0, 1, 2) = (D, H, W) mirrored after the rotation
+
+
+def crop_plan(seed, train, epoch, index, box_shape, crop_size, rotations=True, flips=False):
+    """The crop of sample `index` in `epoch`: a pure function, so every loader, worker and rank that asks gets the
+    same answer. Training draws from (seed, epoch, index); validation from (seed, index) alone and is not turned."""
+    if train:
+        rng = np.random.default_rng([seed, TRAIN_STREAM, epoch, index])
+    else:  # the same set every epoch and for any number of ranks
+        rng = np.random.default_rng([seed, VALID_STREAM, index])
+    highest = np.array(box_shape) - crop_size
+    corner = tuple(int(c) for c in rng.integers(0, highest, endpoint=True))  # every voxel can be reached
+    rotation = int(rng.integers(len(ROTATIONS))) if train and rotations else 0
+    flipped = tuple(int(axis) for axis in np.flatnonzero(rng.random(3) < 0.5)) if train and flips else ()
+    return CropPlan(corner, rotation, flipped)
+
+
 def rotate(volume, k):
     """Rotation k of ROTATIONS applied to the spatial axes of a (C, D, H, W) array (a view, not a copy).
 
@@ -56,33 +91,84 @@ def rotate(volume, k):
     return rotated
 
 
+def transform(volume, plan):
+    """`plan`'s rotation, then its flips, applied to the spatial axes of a (C, D, H, W) array (a view)."""
+    turned = rotate(volume, plan.rotation)
+    return np.flip(turned, axis=tuple(axis + 1 for axis in plan.flips)) if plan.flips else turned
+
+
+# each spatial permutation as a chain of swaps of two adjacent axes: such a swap moves whole rows or 2D planes of
+# a 64^3 crop and stays in the caches, where one copy through a 3D permutation that moves the innermost axis
+# strides across pages for every voxel (2 to 4 times slower on a 64^3 crop, for the same bits)
+_SWAPS = {(0, 1, 2): (), (0, 2, 1): ((0, 2, 1),), (1, 0, 2): ((1, 0, 2),), (1, 2, 0): ((1, 0, 2), (0, 2, 1)),
+          (2, 0, 1): ((0, 2, 1), (1, 0, 2)), (2, 1, 0): ((1, 0, 2), (0, 2, 1), (1, 0, 2))}
+
+
+def plan_turn(plan):
+    """(spatial permutation, mirrored output axes) that `transform(volume, plan)` applies: the rotation's
+    permutation, then its reversals combined with the plan's flips (an axis mirrored twice is as it was)."""
+    permutation, reversed_axes = ROTATIONS[plan.rotation]
+    mirrored = set()
+    for axis in (*reversed_axes, *plan.flips):
+        mirrored ^= {axis}
+    return permutation, tuple(sorted(mirrored))
+
+
+def transform_into(out, volume, plan, scratch):
+    """out[...] = transform(volume, plan), bitwise, for a (C, d, d, d) cube: the permutation as a chain of
+    adjacent swaps (_SWAPS), the flips folded into the last copy. `scratch` holds two flat float32 buffers of at
+    least volume.size elements (intermediate steps); `volume` may be any view (a memory map, channels moved)."""
+    permutation, mirrored = plan_turn(plan)
+    current = volume
+    for step, swap in enumerate(_SWAPS[permutation]):
+        view = current.transpose(0, *(axis + 1 for axis in swap))
+        if step == len(_SWAPS[permutation]) - 1:
+            target = out
+        else:
+            target = scratch[step % 2][:volume.size].reshape(view.shape)
+        if target is out and mirrored:
+            view = np.flip(view, axis=tuple(axis + 1 for axis in mirrored))
+        np.copyto(target, view)
+        current = target
+    if current is volume:  # no permutation: one copy, mirrored as the plan says
+        np.copyto(out, np.flip(volume, axis=tuple(axis + 1 for axis in mirrored)) if mirrored else volume)
+
+
+class CropSampler(ResumableSampler):
+    """The sampler's indices as keys (epoch, index): a crop depends on both, and a loader worker process, which
+    never sees set_epoch, gets the epoch with each key."""
+
+    def __iter__(self):
+        return iter([(self.epoch, index) for index in super().__iter__()])
+
+
 class CosmoDataset(Dataset):
-    """Items (inp (N_in, d, d, d), tar (N_out, d, d, d)) float32: the same crop and augmentation for both."""
+    """Items (inp (N_in, d, d, d), tar (N_out, d, d, d)) float32: the same crop and augmentation for both.
+    Keys are (epoch, index) (CropSampler); a plain index i means (0, i)."""
+    sampler_class = CropSampler  # utils.data_loader.get_data_loader shards and shuffles with it
 
     def __init__(self, params, train):
         self.train = train
         self.mode = params.data_loader_config
         if self.mode not in LOADER_MODES:
-            if self.mode.startswith("dali"):
-                raise UserError(f"data_loader_config '{self.mode}' is not available yet (the DALI loader has "
-                                f"not landed); use one of: {', '.join(LOADER_MODES)}")
-            raise UserError(f"data_loader_config '{self.mode}' is unknown; choose one of: "
-                            f"{', '.join(LOADER_MODES)}")
+            raise UserError(f"data_loader_config '{self.mode}' is unknown for the cosmology boxes; choose one "
+                            f"of: {', '.join(LOADER_MODES)}")
         self.n_in_channels = params.get("N_in_channels", 4)
         self.n_out_channels = params.N_out_channels
         self.crop_size = params.data_size
         self.n_samples = params.Nsamples if train else params.Nsamples_val
         self.seed = params.seed
-        self.data_shard_id = params.get("data_shard_id", 0)
         # augmentation only for training: validation is the same set of crops every epoch
         self.enable_rotations = train and params.get("enable_rotations", True)
         self.enable_flips = train and params.get("enable_flips", False)
         self.path = params.train_path if train else params.val_path
+        split = "train" if train else "val"
+        self.npy_paths = (params.get(f"{split}_path_npy_data"), params.get(f"{split}_path_npy_label"))
         self.inp = self.tar = None  # whole volumes ('synthetic', 'inmem')
         self.file = None  # open HDF5 file ('lowmem'), opened lazily once per worker process
         self.file_pid = None
-        self.rng = None  # training RNG, created lazily once per process
-        self.rng_pid = None
+        self.scratch = None  # reusable buffers of __getitems__, allocated on first use in each process
+        self.memmaps = None  # (pid, memory maps of the .npy copies) in dali-lowmem mode, opened on first use
 
         if self.mode == "synthetic":
             edge = params.get("synthetic_box_size", 128)
@@ -95,7 +181,12 @@ class CosmoDataset(Dataset):
             self.tar = rng.standard_normal((self.n_out_channels, *self.box_shape), dtype=np.float32)
             where = f"synthetic {edge}^3 volume"
         else:
-            self.box_shape = self._check_file(params.box_size[0 if train else 1])
+            box_size = params.box_size[0 if train else 1]
+            if self.mode == "dali-lowmem":
+                self.path = self.npy_paths[0]  # what error messages and describe() name
+                self.box_shape = self._check_npy(box_size)
+            else:
+                self.box_shape = self._check_file(box_size)
             if self.crop_size > min(self.box_shape):
                 raise UserError(f"data_size {self.crop_size} is larger than the box of '{self.path}' "
                                 f"({' x '.join(map(str, self.box_shape))} voxels); lower data_size or "
@@ -133,61 +224,142 @@ class CosmoDataset(Dataset):
                          f"{shapes[INPUT_FIELD]}: using the file's shape")
         return tuple(shapes[INPUT_FIELD])
 
+    def _check_npy(self, box_size):
+        """Spatial shape (D, H, W) of the channels-last .npy pair, after checking both (headers only)."""
+        shapes = []
+        for path, n_channels in zip(self.npy_paths, (self.n_in_channels, self.n_out_channels)):
+            if not path or not os.path.isfile(path):
+                raise UserError(f".npy file '{path}' not found; {NPY_HINT}")
+            try:
+                array = np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as err:  # truncated, or not a .npy file
+                raise UserError(f".npy file '{path}' cannot be read ({err}); {NPY_HINT}") from None
+            if array.ndim != 4 or array.shape[3] != n_channels or array.dtype != np.float32 or \
+                    not array.flags.c_contiguous:
+                raise UserError(f".npy file '{path}' holds {array.dtype} {array.shape}, expected float32 "
+                                f"(L, L, L, {n_channels}) channels-last in C order; {NPY_HINT}")
+            shapes.append(array.shape[:3])
+        if shapes[0] != shapes[1]:
+            raise UserError(f".npy files '{self.npy_paths[0]}' {shapes[0]} and '{self.npy_paths[1]}' {shapes[1]} "
+                            f"cover different boxes; {NPY_HINT}")
+        if tuple(shapes[0]) != (box_size,) * 3:
+            logging.info(f"box_size {box_size} in the config differs from '{self.npy_paths[0]}' "
+                         f"{shapes[0]}: using the file's shape")
+        return tuple(shapes[0])
+
     def __len__(self):
         return self.n_samples
 
-    def _train_rng(self):
-        """One generator per process (rank, loader worker), kept across epochs; never the global numpy RNG."""
-        if self.rng is None or self.rng_pid != os.getpid():  # a forked worker must not reuse its parent's
-            worker = get_worker_info()
-            worker_id = 0 if worker is None else worker.id
-            self.rng = np.random.default_rng([self.seed, TRAIN_STREAM, self.data_shard_id, worker_id])
-            self.rng_pid = os.getpid()
-        return self.rng
+    def plan(self, key):
+        """The CropPlan of key (epoch, index), or of index i in epoch 0."""
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        return crop_plan(self.seed, self.train, epoch, index, self.box_shape, self.crop_size,
+                         rotations=self.enable_rotations, flips=self.enable_flips)
 
     def _read(self, starts):
-        """(inp, tar) of the crop window at `starts` (D, H, W); views into memory or fresh arrays from disk."""
+        """(inp, tar) (C, d, d, d) of the crop window at `starts` (D, H, W); views into memory, or of what was read
+        from disk."""
         z, y, x = (int(start) for start in starts)
-        window = (slice(None), slice(z, z + self.crop_size), slice(y, y + self.crop_size),
-                  slice(x, x + self.crop_size))
-        if self.mode != "lowmem":
+        spatial = (slice(z, z + self.crop_size), slice(y, y + self.crop_size), slice(x, x + self.crop_size))
+        window = (slice(None), *spatial)
+        if self.mode in ("synthetic", "inmem"):
             return self.inp[window], self.tar[window]
+        if self.mode == "dali-lowmem":  # channels-last copies: read the window, then channels first
+            return tuple(np.moveaxis(np.load(path, mmap_mode="r")[spatial], -1, 0) for path in self.npy_paths)
         try:
-            if self.file is None or self.file_pid != os.getpid():  # HDF5 handles do not survive a fork
-                self.file = h5py.File(self.path, "r")
-                self.file_pid = os.getpid()
-            inp = self.file[INPUT_FIELD][window].astype(np.float32, copy=False)
-            tar = self.file[TARGET_FIELD][window].astype(np.float32, copy=False)
+            inp = self._field(INPUT_FIELD)[window].astype(np.float32, copy=False)
+            tar = self._field(TARGET_FIELD)[window].astype(np.float32, copy=False)
         except OSError as err:  # damaged after the start-up check
             raise UserError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it again "
                             f"or {COSMO_HINT}") from None
         return inp, tar
 
-    def describe(self, indices):
-        """Where samples `indices` come from (random crops of one file)."""
-        source = "synthetic volume" if self.mode == "synthetic" else f"'{self.path}'"
-        return f"{len(indices)} random crops of {source}"
+    def _field(self, name):
+        """Dataset `name` of the HDF5 file, opened lazily once per process."""
+        if self.file is None or self.file_pid != os.getpid():  # HDF5 handles do not survive a fork
+            self.file = h5py.File(self.path, "r")
+            self.file_pid = os.getpid()
+        return self.file[name]
 
-    def __getitem__(self, index):
-        # validation crop i depends only on (seed, i): the same set every epoch and for any number of ranks
-        rng = self._train_rng() if self.train else np.random.default_rng([self.seed, VALID_STREAM, index])
-        highest_starts = np.array(self.box_shape) - self.crop_size
-        starts = rng.integers(0, highest_starts, endpoint=True)  # every voxel can be reached
-        inp, tar = self._read(starts)
-        if self.enable_rotations:
-            k = int(rng.integers(len(ROTATIONS)))
-            inp, tar = rotate(inp, k), rotate(tar, k)
-        if self.enable_flips:
-            flip_axes = tuple(1 + np.flatnonzero(rng.random(3) < 0.5))
-            if flip_axes:
-                inp, tar = np.flip(inp, axis=flip_axes), np.flip(tar, axis=flip_axes)
+    def _memmap(self, which):
+        """Memory map of the .npy copy of input (0) or target (1), opened once per process: a map opened per read
+        faults in every page of the window again."""
+        if self.memmaps is None or self.memmaps[0] != os.getpid():
+            self.memmaps = (os.getpid(), [np.load(path, mmap_mode="r") for path in self.npy_paths])
+        return self.memmaps[1][which]
+
+    def _scratch(self, n_elements):
+        """Three flat float32 buffers of at least n_elements: a window read from disk, two turning steps."""
+        if self.scratch is None or self.scratch[0].size < n_elements:
+            self.scratch = [np.empty(n_elements, dtype=np.float32) for _ in range(3)]
+        return self.scratch
+
+    def _turn_window_into(self, out, which, plan):
+        """out (C, d, d, d) = the crop of `plan` from input (which=0) or target (1): the window is read into `out`
+        itself when the crop is not turned, else into a reusable buffer and turned while copied into `out`. In
+        lowmem mode h5py's read_direct reads it; in dali-lowmem mode it is copied out of the .npy memory map,
+        channels moved first on the way."""
+        z, y, x = plan.corner
+        d = self.crop_size
+        read, *steps = self._scratch(out.size)
+        untouched = plan_turn(plan) == ((0, 1, 2), ())
+        window = out if untouched else read[:out.size].reshape(out.shape)
+        if self.mode == "dali-lowmem":
+            memmap = self._memmap(which)
+            np.copyto(window, np.moveaxis(memmap[z:z + d, y:y + d, x:x + d], -1, 0))
+        else:
+            selection = np.s_[:, z:z + d, y:y + d, x:x + d]
+            try:
+                dataset = self._field((INPUT_FIELD, TARGET_FIELD)[which])
+                if dataset.dtype == np.float32:
+                    dataset.read_direct(window, source_sel=selection)
+                else:  # converted by numpy, as __getitem__ does
+                    np.copyto(window, dataset[selection].astype(np.float32, copy=False))
+            except OSError as err:  # damaged after the start-up check
+                raise UserError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it "
+                                f"again or {COSMO_HINT}") from None
+        if not untouched:
+            transform_into(out, window, plan, steps)
+
+    def __getitems__(self, keys):
+        """A whole batch (inp (B, N_in, d, d, d), tar (B, N_out, d, d, d)): every crop read and turned straight into
+        its slot of one buffer per output (shared memory in a loader worker), no per-sample arrays and no collate
+        copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items stacked (tested)."""
+        d = self.crop_size
+        tensors = [_batch_buffer((len(keys), channels, d, d, d)) for channels in (self.n_in_channels,
+                                                                                 self.n_out_channels)]
+        batches = [tensor.numpy() for tensor in tensors]
+        for row, key in enumerate(keys):
+            plan = self.plan(key)
+            if self.mode in ("lowmem", "dali-lowmem"):
+                for which, batch in enumerate(batches):
+                    self._turn_window_into(batch[row], which, plan)
+            else:  # views of a volume in memory
+                for batch, volume in zip(batches, self._read(plan.corner)):
+                    transform_into(batch[row], volume, plan, self._scratch(batch[row].size)[1:])
+        return tuple(tensors)
+
+    def describe(self, keys):
+        """Where samples `keys` come from: the file and each crop's corner, rotation and flips."""
+        source = "synthetic volume" if self.mode == "synthetic" else f"'{self.path}'"
+        crops = []
+        for key in keys:
+            plan = self.plan(key)
+            flips = f" flips {list(plan.flips)}" if plan.flips else ""
+            crops.append(f"({', '.join(map(str, plan.corner))}) rotation {plan.rotation}{flips}")
+        return f"crops of {source} at {'; '.join(crops)}"
+
+    def __getitem__(self, key):
+        plan = self.plan(key)
+        inp, tar = (transform(volume, plan) for volume in self._read(plan.corner))
         if self.mode == "lowmem":  # fresh arrays from disk: copied only if rotated or flipped
             inp, tar = np.ascontiguousarray(inp), np.ascontiguousarray(tar)
-        else:  # views of the in-memory volume: always copied, never handed out
+        else:  # views of a volume in memory or of a memory map: always copied, never handed out
             inp, tar = np.array(inp, order="C"), np.array(tar, order="C")
         return torch.from_numpy(inp), torch.from_numpy(tar)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["file"] = None  # an open h5py file cannot be pickled to worker processes (spawn)
+        state["scratch"] = state["memmaps"] = None  # each process makes its own
         return state

@@ -1,7 +1,9 @@
 """Optimizer and learning-rate schedule, selected by the config (`optimizer`, `lr_schedule`).
 
 Every schedule is stepped once per iteration; the ResNet stage's plateau schedule also looks at the
-validation loss after each epoch (`end_epoch`).
+validation loss after each epoch (`end_epoch`). A schedule changes a learning rate held in a tensor in place
+(`fill_`), never by putting a new object into the param group: a step captured in a CUDA graph reads the tensor it
+was captured with (make_capturable, train_graph.py).
 """
 import math
 
@@ -54,6 +56,46 @@ def get_optimizer(params, model):
     raise UserError(f"optimizer '{name}' is unknown; choose one of: Adam, SGD")
 
 
+def make_capturable(optimizer):
+    """Ready `optimizer` for a step captured in a CUDA graph: each group's lr becomes a 0-d tensor on its
+    parameters' device (the schedules fill it in place, so every replay reads the current value), Adam becomes
+    `capturable` on CUDA (step counts on the device, no host sync in step()), and its checkpoints keep train.py's
+    form (lr a float, not capturable), so they resume in train.py. Call after restoring a checkpoint:
+    load_state_dict brings back the saved param groups."""
+    for group in optimizer.param_groups:
+        device = group["params"][0].device
+        if not torch.is_tensor(group["lr"]) or group["lr"].device != device:
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        if "capturable" in group:
+            group["capturable"] = device.type == "cuda"  # the only device here PyTorch captures Adam on
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=device, dtype=torch.float32)
+    if not getattr(optimizer, "_saves_plain_groups", False):
+        optimizer.register_state_dict_post_hook(_plain_param_groups)
+        optimizer._saves_plain_groups = True
+    return optimizer
+
+
+def _plain_param_groups(optimizer, state_dict):
+    """state_dict post hook: the saved groups as train.py writes them (lr a float, not capturable)."""
+    for group in state_dict["param_groups"]:  # copies of the live groups
+        if torch.is_tensor(group["lr"]):
+            group["lr"] = group["lr"].item()
+        if "capturable" in group:
+            group["capturable"] = False
+    return state_dict
+
+
+def set_lr(group, value):
+    """Set a param group's learning rate: in place when it is a tensor (see make_capturable)."""
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
+
+
 def cosine_with_warmup(warmup_iters, total_iters):
     """LR factor at scheduler step x: linear warm-up over `warmup_iters`, cosine to 0 at `total_iters`."""
 
@@ -87,7 +129,7 @@ def unet_schedule(params, total_iters):
 
 class WarmupThenPlateau:
     """ResNet stage: lr = lr0 * (epoch + 1) / warmup_epochs during warm-up, then ReduceLROnPlateau
-    (factor 0.2, patience 10) on the validation loss after each epoch."""
+    (factor 0.2, patience 10) on the validation loss after each epoch. Both change a tensor lr in place."""
 
     def __init__(self, optimizer, base_lr, warmup_epochs, steps_per_epoch):
         self.optimizer = optimizer
@@ -102,7 +144,7 @@ class WarmupThenPlateau:
         epoch = self.last_epoch // self.steps_per_epoch
         if epoch < self.warmup_epochs:
             for group in self.optimizer.param_groups:
-                group["lr"] = self.base_lr * (epoch + 1) / self.warmup_epochs
+                set_lr(group, self.base_lr * (epoch + 1) / self.warmup_epochs)
 
     def step(self):
         self.last_epoch += 1

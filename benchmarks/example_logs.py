@@ -1,0 +1,268 @@
+"""Example logs: real runs of this project on its sample data, small enough to commit (`make example-logs`).
+
+    python -m benchmarks.example_logs [--out example_logs] [--runs vit,vit-dp2,vit-dp4,unet,resnet]
+
+Each run is train.py on the CPU (the demo configs are CPU-sized), and lands where train.py puts it,
+<out>/<stage>/<config>/<N>GPU/00/, with its out.log and TensorBoard events (logs/events.out.tfevents.*);
+the checkpoint and the run lock are removed. The runs:
+
+  vit      <out>/vit/demo/1GPU/00     ViT `demo` config: batch 8, 256 iterations (8 epochs)
+  vit-dp2  <out>/vit/demo/2GPU/00     the same data-parallel over 2 gloo ranks (torchrun), local batch 8
+                                      (global 16), 128 iterations: the same 8 epochs
+  vit-dp4  <out>/vit/demo/4GPU/00     4 ranks, global batch 32, 64 iterations (8 epochs)
+  unet     <out>/unet/demo/1GPU/00    3D UNet `demo` config (4 epochs)
+  resnet   <out>/resnet/demo/1GPU/00  ResNet18 `demo` config on CIFAR-100 sample data (3 epochs)
+
+The data-parallel sweep keeps the local batch and the number of epochs, so every run sees the same samples;
+the learning rate is the config's (no scaling with the batch). Missing sample data are generated first. A run
+is written afresh (its old directory is removed). <out>/runs.json records the machine, date, commit, command
+and wall time of each run; <out>/README.md says the same for readers. Copy a stage to TensorBoard's log
+directory to compare with your own runs: `cp -r example_logs/vit $SCRATCH/dl-at-scale-training/logs`.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+from utils.atomic import write_bytes, write_json
+from utils.errors import ArgumentParser, UserError, exit_on_user_error
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VIT_EPOCH_ITERS = 256  # the ViT demo config's num_iters at batch 8: 8 epochs of the default sample data
+
+# name -> (stage folder, yaml, data kind, ranks, extra flags, what it is)
+RUNS = {
+    "vit": ("vit", "config/ViT.yaml", "era5", 1, ["--local_batch_size", "8", "--num_iters", "256"],
+            "ViT demo, 1 process, batch 8"),
+    "vit-dp2": ("vit", "config/ViT.yaml", "era5", 2, ["--local_batch_size", "8", "--num_iters", "128"],
+                "ViT demo, 2 ranks (gloo), local batch 8, global 16"),
+    "vit-dp4": ("vit", "config/ViT.yaml", "era5", 4, ["--local_batch_size", "8", "--num_iters", "64"],
+                "ViT demo, 4 ranks (gloo), local batch 8, global 32"),
+    "unet": ("unet", "config/UNet.yaml", "cosmo", 1, [], "3D UNet demo, 1 process"),
+    "resnet": ("resnet", "config/ResNet50.yaml", "cifar100", 1, [], "ResNet18 demo (CIFAR-100 sample data), 1 process"),
+}
+# data kind -> (a file that exists once the data are there, relative to the data dir; generator subcommand)
+DATA = {
+    "era5": ("stats/global_stds.npy", "era5"),
+    "cosmo": ("downsamp_1024crop_valid.h5", "cosmo"),
+    "cifar100": ("cifar-100-python/meta", "cifar100"),
+}
+LAST_VAL_LOSS = re.compile(r"Avg val loss=(\S+)")
+LAST_ACC = re.compile(r"valid acc1=(\S+), valid acc5=(\S+)")
+
+
+def machine():
+    """This machine in words, e.g. 'AMD EPYC, 2 CPU cores, no GPU' (the runs themselves use the CPU)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{model or 'CPU'}, {os.cpu_count()} CPU cores, {gpu}"
+
+
+def torch_version():
+    import torch
+    return torch.__version__
+
+
+def git_commit():
+    """(short commit, whether the working tree differs from it), or (None, None) outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip() != ""
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+
+
+def ensure_data(kind, data_dir):
+    """Generate the sample data set `kind` into `data_dir` unless it is there already (like `make demo`)."""
+    marker, subcommand = DATA[kind]
+    if os.path.exists(os.path.join(data_dir, marker)):
+        return
+    print(f"[example_logs] generating {kind} sample data in {data_dir} ...", flush=True)
+    result = subprocess.run([sys.executable, "-m", "utils.sample_data", subcommand, "--out", data_dir],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(f"generating {kind} sample data in '{data_dir}' failed: "
+                        f"{(result.stderr.strip().splitlines() or ['no message'])[-1]}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(name, data_dir, expdir):
+    """train.py and its flags for run `name` (the launcher comes in front)."""
+    _, yaml, _, _, flags, _ = RUNS[name]
+    return ["train.py", "--yaml_config", yaml, "--config", "demo", "--data_dir", data_dir, "--expdir", expdir,
+            "--checkpoint_interval", "0", *flags]
+
+
+def shown_command(name, data_dir, expdir):
+    """The command of run `name` as a reader would type it, from the repository root."""
+    ranks = RUNS[name][3]
+    launcher = [f"torchrun --nproc_per_node {ranks}"] if ranks > 1 else ["python"]
+    relative = [os.path.relpath(path, REPO_ROOT) for path in (data_dir, expdir)]
+    return " ".join(launcher + train_args(name, *relative))
+
+
+def summary_of(out_log):
+    """The last validation line(s) of a run's out.log, in words."""
+    with open(out_log) as f:
+        text = f.read()
+    losses, accuracies = LAST_VAL_LOSS.findall(text), LAST_ACC.findall(text)
+    summary = f"final validation loss {float(losses[-1]):.4f}" if losses else "no validation line"
+    if accuracies:
+        summary += f", top-1 {float(accuracies[-1][0]):.1%}, top-5 {float(accuracies[-1][1]):.1%}"
+    return summary
+
+
+def run_one(name, out, data_dirs, code):
+    """Train run `name` afresh into <out>/<stage>/demo/<N>GPU/00; keep out.log and the events only."""
+    stage, _, kind, ranks, _, what = RUNS[name]
+    expdir = os.path.join(out, stage)
+    run_dir = os.path.join(expdir, "demo", f"{ranks}GPU", "00")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: nothing to resume, no events appended
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
+    command = launcher + train_args(name, data_dirs[kind], expdir)
+    # CPU only (gloo for several ranks); one thread per rank when several share the cores
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("WORLD_SIZE", None)
+    if ranks > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    print(f"[example_logs] {name}: {what} -> {os.path.relpath(run_dir, REPO_ROOT)} ...", flush=True)
+    start = time.time()
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    seconds = time.time() - start
+    if result.returncode != 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        sys.exit(f"error: run {name} failed (exit code {result.returncode}); its output ends:\n"
+                 f"{result.stderr[-3000:]}")
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # too big to commit
+    if os.path.exists(os.path.join(run_dir, "run.lock")):
+        os.remove(os.path.join(run_dir, "run.lock"))
+    summary = summary_of(os.path.join(run_dir, "out.log"))
+    print(f"[example_logs]   {seconds:.0f} s, {summary}", flush=True)
+    return {"name": name, "what": what, "run_dir": os.path.relpath(run_dir, out), "ranks": ranks,
+            "command": shown_command(name, data_dirs[kind], expdir), "wall_seconds": round(seconds, 1),
+            "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
+            "torch": torch_version(), **code}
+
+
+def read_manifest(path):
+    """{run name: record} of <out>/runs.json ({} if there is none); fields an older file kept once for all runs
+    (commit, dirty, torch) are copied into each record."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        manifest = json.load(f)
+    shared = {key: manifest[key] for key in ("commit", "dirty", "torch") if key in manifest}
+    return {run["name"]: {**shared, **run} for run in manifest.get("runs", [])}
+
+
+def readme(runs):
+    """example_logs/README.md: how, when and on what the runs (records of runs.json) were made."""
+    dates = sorted(run["date"] for run in runs)
+    code = set()
+    for run in runs:
+        code.add(f"commit {run.get('commit')}" + (" plus uncommitted changes" if run.get("dirty") else ""))
+    lines = [
+        "# Example logs",
+        "",
+        "Real runs of this project on its generated sample data, made with `make example-logs`",
+        "(`python -m benchmarks.example_logs`), which wrote this file. Each run directory holds the run's",
+        "`out.log` and its TensorBoard events (`logs/events.out.tfevents.*`); checkpoints are not kept.",
+        "",
+        f"- made: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""),
+        f"- machine: {'; '.join(sorted({run['machine'] for run in runs}))}; every run on the CPU",
+        f"- code: {'; '.join(sorted(code))}",
+        f"- torch {', '.join(sorted({str(run.get('torch')) for run in runs}))}",
+        "",
+        "| run directory | what | wall time | result |",
+        "|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(f"| `{run['run_dir']}` | {run['what']} | {run['wall_seconds']:.0f} s | {run['summary']} |")
+    lines += [
+        "",
+        "Commands (from the repository root):",
+        "",
+        "```bash",
+        *[run["command"] for run in runs],
+        "```",
+        "",
+        "Each ran with `CUDA_VISIBLE_DEVICES=` (CPU only); the torchrun runs with `OMP_NUM_THREADS=1` (one thread per",
+        "rank, gloo between ranks), the single-process runs with the default threads.",
+        "",
+        "The data-parallel sweep (`vit/demo/{1,2,4}GPU/00`) keeps the local batch (8) and the number of epochs (8),",
+        "so each run sees the same samples in 256, 128 and 64 steps; the learning rate is the config's at every",
+        "batch size. Ranks share the machine's cores, so the wall times show no speed-up beyond the core count;",
+        "the machine may also have been busy with other work, so treat the times as rough.",
+        "",
+        "To look at them in TensorBoard, copy a stage into your log directory and start TensorBoard there",
+        "(`start_tensorboard.ipynb`, or `tensorboard --logdir`):",
+        "",
+        "```bash",
+        "cp -r ./example_logs/vit $SCRATCH/dl-at-scale-training/logs",
+        "tensorboard --logdir example_logs    # or directly, on a workstation",
+        "```",
+        "",
+        "`make figures` draws the learning curves and the sweep's throughput from these files into `tutorial_images/`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@exit_on_user_error
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="example_logs", help="folder of the example logs (default example_logs)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs (default all: {','.join(RUNS)})")
+    parser.add_argument("--era5_dir", default="data/era5", help="ERA5 sample data (generated if missing)")
+    parser.add_argument("--cosmo_dir", default="data/cosmo", help="cosmology sample data (generated if missing)")
+    parser.add_argument("--cifar_dir", default="data/cifar100", help="CIFAR-100 sample data (generated if missing)")
+    parser.add_argument("--readme_only", action="store_true", help="rewrite README.md from runs.json; run nothing")
+    args = parser.parse_args(argv)
+    names = [name for name in args.runs.split(",") if name]
+    unknown = [name for name in names if name not in RUNS]
+    if unknown:
+        raise UserError(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
+    out = os.path.abspath(args.out)
+    data_dirs = {"era5": os.path.abspath(args.era5_dir), "cosmo": os.path.abspath(args.cosmo_dir),
+                 "cifar100": os.path.abspath(args.cifar_dir)}
+    manifest_path = os.path.join(out, "runs.json")
+    previous = read_manifest(manifest_path)  # the records of runs not made this time are kept
+    if args.readme_only:
+        if not previous:
+            raise UserError(f"{manifest_path} is missing; make the example logs first (make example-logs)")
+        write_bytes(os.path.join(out, "README.md"), readme([previous[name] for name in RUNS if name in previous]))
+        print(f"[example_logs] wrote {os.path.relpath(out)}/README.md from runs.json")
+        return
+    for kind in dict.fromkeys(RUNS[name][2] for name in names):
+        ensure_data(kind, data_dirs[kind])
+    commit, dirty = git_commit()
+    start = time.time()
+    made = {name: run_one(name, out, data_dirs, {"commit": commit, "dirty": dirty}) for name in names}
+    runs = [made.get(name) or previous[name] for name in RUNS if name in made or name in previous]
+    write_json(manifest_path, {"runs": runs})
+    write_bytes(os.path.join(out, "README.md"), readme(runs))
+    print(f"[example_logs] done in {time.time() - start:.0f} s; wrote {os.path.relpath(out)}/runs.json and README.md")
+
+
+if __name__ == "__main__":
+    main()
