@@ -76,12 +76,12 @@ def run(tiny, data_root, work):
               "measured": "SYNTHETIC step of --enable_benchy", **bench, "cases": {}, "failures": []}
     for case in cases:
         sizes = "tiny" if case.config == "tiny" else "full"
-        data = make_data(os.path.join(data_root, sizes), DATA_SIZES[sizes])
-        try:
+        try:  # one case failing (a run, its data, its JSON) is reported; the others still run
+            data = make_data(os.path.join(data_root, sizes), DATA_SIZES[sizes])
             report["cases"][case.name] = result = measure(case, data[case.dataset], work, **bench)
             log(f"{case.name}: eager {result['eager']['ms_per_step']:.2f} ms/step, graph "
                 f"{result['graph']['ms_per_step']:.2f} ms/step, speed-up {result['speedup']:.2f}x")
-        except RuntimeError as err:
+        except (RuntimeError, OSError, ValueError, KeyError) as err:
             report["cases"][case.name] = {"ok": False, "error": str(err)}
             report["failures"].append(f"{case.name}: {err}")
             log(f"{case.name} FAILED: {err}")

@@ -401,6 +401,7 @@ def test_unknown_loader_mode_is_a_user_error(cosmo_dir, mode):
                 r"`python -m utils.convert_to_npy -i FILE.h5 -d Nbody -l Hydro -o DIR`"),
     ("channels_first", r"holds float32 \(4, 16, 16, 16\), expected float32 \(L, L, L, 4\) channels-last"),
     ("truncated", "_data.npy' cannot be read"),
+    ("empty", "_data.npy' cannot be read"),  # what an interrupted convert_to_npy leaves
     ("other_box", r"cover different boxes"),
 ])
 def test_bad_npy_copies_are_one_clear_line(tmp_path, case, message):
@@ -413,6 +414,8 @@ def test_bad_npy_copies_are_one_clear_line(tmp_path, case, message):
         np.save(data, np.zeros((4, 16, 16, 16), dtype=np.float32))
     elif case == "truncated":
         data.write_bytes(data.read_bytes()[:1000])
+    elif case == "empty":
+        data.write_bytes(b"")
     else:
         np.save(label, np.zeros((16, 16, 8, 5), dtype=np.float32))
     params = _params(tmp_path / "unused.h5", data_loader_config="dali-lowmem", data_size=8,

@@ -29,7 +29,8 @@ SBATCH_OPTIONS = {"-N", "--nodes", "-n", "--ntasks", "-t", "--time", "-A", "--ac
                   "--ntasks-per-node", "--gpus-per-node", "--gpus-per-task", "--cpus-per-task", "--image",
                   "--module", "-d", "--dependency", "--exclusive"}
 SBATCH_FLAGS = {"--exclusive"}  # options without a value
-COMMAND_WORDS = ("python", "python3", "torchrun", "sbatch", "srun", "nsys", "make")
+COMMAND_WORDS = ("python", "python3", "torchrun", "sbatch", "srun", "nsys", "shifter", "make")
+RUNNERS = ("python", "python3", "torchrun")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -42,10 +43,13 @@ class Parsed(Exception):
 
 
 def readme_commands(text):
-    """(line number, command string) of every command in fenced code blocks and inline code spans."""
+    """(line number, command string, fenced) of every command in fenced code blocks (fenced=True) and inline code
+    spans; a fenced line holding several commands (`a && b`, `a; b`) gives each."""
     commands, in_block, pending, start = [], False, "", 0
     for number, line in enumerate(text.splitlines(), start=1):
         if line.lstrip().startswith("```"):
+            if pending:  # a continuation the block ends
+                commands.append((start, pending, True))
             in_block, pending = not in_block, ""
             continue
         if in_block:
@@ -59,12 +63,32 @@ def readme_commands(text):
             if stripped.endswith("\\"):
                 pending = stripped[:-1].strip()
                 continue
-            commands.append((start, stripped))
+            commands.extend((start, part, True) for part in _top_level_parts(stripped))
         else:
             for span in re.findall(r"`([^`]+)`", line):
-                commands.append((number, span))
-    return [(number, command) for number, command in commands if _command_word(command) in COMMAND_WORDS
-            and len(_tokens(command)) > 1]
+                commands.append((number, span, False))
+    return [(number, command, fenced) for number, command, fenced in commands
+            if _command_word(command) in COMMAND_WORDS and len(_tokens(command)) > 1]
+
+
+def _top_level_parts(line):
+    """`a && b; c` -> [a, b, c], leaving quoted strings (a `bash -c '...'` script) whole."""
+    parts, current, quote = [], "", None
+    i = 0
+    while i < len(line):
+        char = line[i]
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == ";" or line.startswith("&&", i):
+            parts.append(current)
+            current = ""
+            i += 2 if char == "&" else 1
+            continue
+        current += char
+        i += 1
+    return [part.strip() for part in [*parts, current] if part.strip()]
 
 
 def _tokens(command):
@@ -74,8 +98,8 @@ def _tokens(command):
 def _command_word(command):
     try:
         tokens = _tokens(command)
-    except ValueError:
-        return None
+    except ValueError:  # unbalanced quotes: kept, so that the check reports it
+        return command.split()[0] if command.split() else None
     words = [token for token in tokens if not ENV_ASSIGNMENT.match(token)]
     return words[0] if words else None
 
@@ -146,8 +170,13 @@ def check_launcher(tokens, monkeypatch):
     if script_at is None:  # an option named in the text (`torchrun --max-restarts N`), no command
         return None
     options = [token for token in tokens[:script_at] if token not in ("--use-env", "--use_env")]
+    options = ["1" if re.fullmatch(r"\$\{?\w+\}?", token) else token for token in options]  # --nnodes $SLURM_NNODES
     launcher = get_args_parser()
-    launcher.error = lambda message: pytest.fail(f"launcher options {options}: {message}")
+
+    def refuse(message):
+        raise AssertionError(f"launcher options {options}: {message}")
+
+    launcher.error = refuse
     launcher.parse_args([*options, tokens[script_at]])
     return check_python(tokens[script_at:], monkeypatch)
 
@@ -191,9 +220,14 @@ def check_command(command, monkeypatch):
         return check_launcher(rest, monkeypatch)
     if word == "sbatch":
         return check_sbatch(env, rest, monkeypatch)
-    if word in ("nsys", "srun"):  # the command they wrap, if the line shows it
-        inner = next((i for i, token in enumerate(rest) if token in ("python", "python3", "torchrun")), None)
-        return None if inner is None else check_command(shlex.join(rest[inner:]), monkeypatch)
+    if word in ("nsys", "srun", "shifter"):  # the command they wrap: after their options, or in `bash -c '...'`
+        inner = next((i for i, token in enumerate(rest) if token in RUNNERS), None)
+        if inner is not None:
+            return check_command(shlex.join(rest[inner:]), monkeypatch)
+        script = next((rest[i + 1] for i in range(len(rest) - 1) if rest[i] == "-c" and rest[i - 1] == "bash"), "")
+        checked = [check_command(part, monkeypatch) for part in _top_level_parts(script)
+                   if _command_word(part) in COMMAND_WORDS]
+        return " ".join(what for what in checked if what) or None
     if word == "make":
         makefile = open(os.path.join(REPO_ROOT, "Makefile")).read()
         for target in (token for token in rest if not ENV_ASSIGNMENT.match(token)):
@@ -207,7 +241,7 @@ def check_command(command, monkeypatch):
 def test_every_readme_command_names_existing_scripts_configs_and_flags(monkeypatch, capsys):
     commands = readme_commands(open(README).read())
     checked, failures = [], []
-    for number, command in commands:
+    for number, command, fenced in commands:
         try:
             what = check_command(command, monkeypatch)
         except (AssertionError, Exception) as err:  # noqa: B014 - every failure is reported with its line
@@ -215,6 +249,8 @@ def test_every_readme_command_names_existing_scripts_configs_and_flags(monkeypat
             continue
         if what:
             checked.append(what)
+        elif fenced and any(word in RUNNERS + ("sbatch",) for word in command.split()):
+            failures.append(f"README.md:{number}: {command}\n    runs something this test cannot check")
     capsys.readouterr()
     assert not failures, "stale README commands:\n" + "\n".join(failures)
     scripts = " ".join(checked)

@@ -238,6 +238,19 @@ def test_schedules_fill_a_tensor_lr_in_place():
     assert torch.is_tensor(optimizer.param_groups[0]["lr"])
 
 
+def test_a_resumed_optimizer_keeps_this_runs_fused_kernels():
+    """load_state_dict restores the saved param groups, `fused` included: a train.py checkpoint written without
+    --enable_fused, resumed by train_graph.py with it (fp16 in a graph needs it), must run the fused Adam (the
+    foreach one refuses GradScaler's device-side inf flag)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.Adam([weight], lr=1e-3).state_dict()  # written without --enable_fused
+    optimizer = torch.optim.Adam([weight], lr=1e-3, fused=True)
+    optimizer.load_state_dict(saved)
+    assert not optimizer.param_groups[0]["fused"]  # what load_state_dict alone leaves
+    make_capturable(optimizer)
+    assert optimizer.param_groups[0]["fused"] is True and torch.is_tensor(optimizer.param_groups[0]["lr"])
+
+
 def test_bench_graph_refuses_a_machine_without_cuda(capsys, monkeypatch):
     from benchmarks import bench_graph
     monkeypatch.setattr(bench_graph.torch.cuda, "is_available", lambda: False)

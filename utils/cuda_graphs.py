@@ -122,7 +122,8 @@ def capture(step, static_inputs, stream):
     """Record one call of `step(*static_inputs)` in a CUDA graph on `stream`; returns replay(), which runs the
     recorded work again and returns the step's outputs (tensors the graph owns and overwrites on each replay)."""
     graph = torch.cuda.CUDAGraph()
-    # thread_local: loader threads (pinned memory, DALI) may call CUDA while this thread captures
+    # thread_local: only this thread's CUDA calls are checked for capture safety (a DALI or pin-memory thread
+    # started by an earlier loader pass may still call CUDA)
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         outputs = step(*static_inputs)
 

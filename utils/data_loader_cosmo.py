@@ -232,7 +232,7 @@ class CosmoDataset(Dataset):
                 raise UserError(f".npy file '{path}' not found; {NPY_HINT}")
             try:
                 array = np.load(path, mmap_mode="r")
-            except (OSError, ValueError) as err:  # truncated, or not a .npy file
+            except (OSError, ValueError, EOFError) as err:  # truncated or empty, or not a .npy file
                 raise UserError(f".npy file '{path}' cannot be read ({err}); {NPY_HINT}") from None
             if array.ndim != 4 or array.shape[3] != n_channels or array.dtype != np.float32 or \
                     not array.flags.c_contiguous:

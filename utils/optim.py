@@ -64,6 +64,9 @@ def make_capturable(optimizer):
     load_state_dict brings back the saved param groups."""
     for group in optimizer.param_groups:
         device = group["params"][0].device
+        for key in ("fused", "foreach"):  # this run's kernels, not those of a restored checkpoint's groups
+            if key in group:
+                group[key] = optimizer.defaults.get(key)
         if not torch.is_tensor(group["lr"]) or group["lr"].device != device:
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         if "capturable" in group:
