@@ -68,7 +68,7 @@ def checkout(tmp_path):
     scripts that only record what reached them (in tmp_path/stub_out)."""
     directory = tmp_path / "checkout"
     directory.mkdir()
-    for name in SUBMIT_SCRIPTS + ("export_DDP_vars.sh",):
+    for name in SUBMIT_SCRIPTS + ("submit_common.sh", "export_DDP_vars.sh"):
         shutil.copy(os.path.join(REPO_ROOT, name), directory)
     for name in TRAINING_SCRIPTS:
         (directory / name).write_text(STUB)
