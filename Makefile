@@ -65,7 +65,7 @@ bench-loader: install
 
 # the cosmology crops (64^3 of a generated 128^3 box): PyTorch lowmem and DALI dali-lowmem vs raw reads
 bench-loader-cosmo: install
-	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --out bench_results/loader_cosmo.json
+	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --repeats 5 --out bench_results/loader_cosmo.json
 
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json

@@ -22,9 +22,14 @@ the same random `--crop`^3 crops (the corners the loaders' crop_plan gives for e
   DALI, N threads             `--data_loader_config dali-lowmem` (DALI's ROI reads of the .npy windows, the rotation
                               in the pipeline; N CPU threads)
 Batches default to 4 sample pairs for ERA5 and 16 crops for the cosmology boxes: about 160 MB a batch either way.
+`--repeats N` times every loader N times, in rounds over the whole list (a noisy moment of a shared machine hits all
+loaders of its round); each row gives the median and every round's rate. For the cosmology crops the JSON also has
+`dali_over_pytorch`: DALI's rate over the PyTorch loader's at each equal count of threads and workers, round by
+round (`make bench-loader-cosmo` runs 5 rounds).
 """
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -49,16 +54,34 @@ def loader_params(data_dir, batch, workers, height, width):
     return params
 
 
-def timed(label, batches, nbatches, batch, rows, raw_rate=None):
-    next(batches)  # start-up (workers) outside the clock
+def rate_of(batches, nbatches, batch):
+    """samples/s over `nbatches` batches of an endless iterator, its first batch (start-up) outside the clock."""
+    next(batches)
     start = time.perf_counter()
     for _ in range(nbatches):
         next(batches)
-    rate = nbatches * batch / (time.perf_counter() - start)
-    rows.append({"loader": label, "samples_per_sec": rate, "ratio_to_raw": rate / raw_rate if raw_rate else 1.0})
-    ratio = f" ({rate / raw_rate:.0%} of raw h5py)" if raw_rate else ""
-    print(f"[bench_loader] {label}: {rate:.1f} samples/s{ratio}", flush=True)
-    return rate
+    return nbatches * batch / (time.perf_counter() - start)
+
+
+def measure(trials, args):
+    """Times every trial (label, function giving an endless batch iterator) `args.repeats` times, interleaved (the
+    whole list once per round, so a noisy moment hits every loader alike). The first trial is the raw reference.
+    Each row: the median rate, every round's rate, and the median's ratio to the raw median."""
+    runs = {label: [] for label, _ in trials}
+    for round_ in range(args.repeats):
+        tag = f" (round {round_ + 1}/{args.repeats})" if args.repeats > 1 else ""
+        for label, batches in trials:
+            runs[label].append(rate_of(batches(), args.nbatches, args.batch))
+            print(f"[bench_loader] {label}{tag}: {runs[label][-1]:.1f} samples/s", flush=True)
+    raw = statistics.median(runs[trials[0][0]])
+    rows = [{"loader": label, "samples_per_sec": statistics.median(rates), "runs": rates,
+             "ratio_to_raw": statistics.median(rates) / raw} for label, rates in runs.items()]
+    for row in rows:
+        low, high = min(row["runs"]), max(row["runs"])
+        spread = f", {low:.1f}-{high:.1f} over {args.repeats} rounds" if args.repeats > 1 else ""
+        print(f"[bench_loader] {row['loader']}: {row['samples_per_sec']:.1f} samples/s{spread} "
+              f"({row['ratio_to_raw']:.0%} of {trials[0][0]})", flush=True)
+    return rows
 
 
 def endless(iterable_factory):
@@ -77,6 +100,8 @@ def main(argv=None):
     parser.add_argument("--crop", type=int, default=64, help="cosmo: crop edge (the original data_size)")
     parser.add_argument("--batch", type=int, default=None, help="default: 4 (ERA5), 16 (cosmo): ~160 MB a batch")
     parser.add_argument("--nbatches", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over all loaders; rows give the median (make bench-loader-cosmo uses 5)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4], help="PyTorch loader workers")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4], help="cosmo: DALI threads")
     args = parser.parse_args(argv)
@@ -116,22 +141,20 @@ def main(argv=None):
 
     for _ in raw_batches():  # warm the page cache
         pass
-    rows = []
-    raw = timed("raw h5py (1 thread)", endless(raw_batches), args.nbatches, args.batch, rows)
-    timed("per-sample (the loader before), 0 workers", endless(per_sample_batches), args.nbatches, args.batch,
-          rows, raw)
+    trials = [("raw h5py (1 thread)", lambda: endless(raw_batches)),
+              ("per-sample (the loader before), 0 workers", lambda: endless(per_sample_batches))]
     for config in ("pytorch", "dali"):
         for workers in args.workers:
             params = loader_params(args.data_dir, args.batch, workers, args.height, args.width)
             params.data_loader_config = config
-            batches = get_data_loader(params, train=True)
             label = f"{'PyTorch' if config == 'pytorch' else 'DALI'}, {workers} workers"
             # told each epoch as training does (a DALI loader takes an untold epoch for a jump: a new pipeline)
-            timed(label, endless_batches(batches), args.nbatches, args.batch, rows, raw)
+            trials.append((label, lambda params=params: endless_batches(get_data_loader(params, train=True))))
+    rows = measure(trials, args)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
     write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
-                          "sample_pair_mb": pair_mb, "rows": rows})
+                          "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows})
     print(f"[bench_loader] written to {args.out}")
     return 0
 
@@ -182,20 +205,32 @@ def cosmo_main(args):
             pass
     import torch
     dali_label = f"DALI ({'GPU' if torch.cuda.is_available() else 'CPU'})"
-    rows = []
-    raw = timed("raw h5py (1 thread)", endless(lambda: raw_batches(h5_window)), args.nbatches, args.batch, rows)
-    timed("raw npy memmap (1 thread)", endless(lambda: raw_batches(npy_window)), args.nbatches, args.batch, rows, raw)
+    trials = [("raw h5py (1 thread)", lambda: endless(lambda: raw_batches(h5_window))),
+              ("raw npy memmap (1 thread)", lambda: endless(lambda: raw_batches(npy_window)))]
+    labels = {}
     for config, counts, unit in (("lowmem", args.workers, "workers"), ("dali-lowmem", args.threads, "threads")):
         for count in counts:
             params = cosmo_params(args.data_dir, config, args.batch, count, args.crop, epoch_steps)
-            label = f"{'PyTorch lowmem' if config == 'lowmem' else dali_label}, {count} {unit}"
-            timed(label, endless_batches(get_data_loader(params, train=True)), args.nbatches, args.batch, rows, raw)
+            labels[config, count] = f"{'PyTorch lowmem' if config == 'lowmem' else dali_label}, {count} {unit}"
+            trials.append((labels[config, count],
+                           lambda params=params: endless_batches(get_data_loader(params, train=True))))
+    rows = measure(trials, args)
+    # the target: DALI at least the PyTorch loader at equal threads, round by round (the same noisy moment)
+    runs = {row["loader"]: row["runs"] for row in rows}
+    versus = {}
+    for count in sorted(set(args.workers) & set(args.threads)):
+        ratios = [d / p for d, p in zip(runs[labels["dali-lowmem", count]], runs[labels["lowmem", count]])]
+        versus[str(count)] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                              "rounds_ahead": sum(ratio >= 1 for ratio in ratios), "runs": ratios}
+        print(f"[bench_loader] DALI / PyTorch at {count}: median {versus[str(count)]['median']:.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}; DALI ahead in {versus[str(count)]['rounds_ahead']} of "
+              f"{len(ratios)} rounds)", flush=True)
     h5.close()
     sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
     write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                           "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
-                          "nbatches": args.nbatches, "sample_pair_mb": sample_mb,
-                          "raw_reference": "raw h5py (1 thread)", "rows": rows})
+                          "nbatches": args.nbatches, "repeats": args.repeats, "sample_pair_mb": sample_mb,
+                          "raw_reference": "raw h5py (1 thread)", "rows": rows, "dali_over_pytorch": versus})
     print(f"[bench_loader] written to {args.out}")
     return 0
 
