@@ -105,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4], help="PyTorch loader workers")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4], help="cosmo: DALI threads")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.nbatches < 1:
+        parser.error("--repeats and --nbatches must be at least 1")
     args.out = args.out or f"bench_results/loader_{args.dataset}.json"
     args.batch = args.batch or (16 if args.dataset == "cosmo" else 4)
     if args.dataset == "cosmo":

@@ -233,3 +233,10 @@ def test_bench_loader_cosmo_reports_every_loader_against_the_raw_rate(tmp_path):
     assert list(versus) == ["1"] and versus["1"]["runs"] == pytest.approx(
         [d / p for d, p in zip(rows[dali]["runs"], rows[pytorch]["runs"])])
     assert versus["1"]["rounds_ahead"] == sum(ratio >= 1 for ratio in versus["1"]["runs"])
+
+
+def test_bench_loader_refuses_zero_rounds_in_one_line(capsys):
+    from benchmarks import bench_loader
+    with pytest.raises(SystemExit) as stop:
+        bench_loader.main(["--dataset", "cosmo", "--repeats", "0"])
+    assert stop.value.code == 2 and "--repeats and --nbatches must be at least 1" in capsys.readouterr().err
