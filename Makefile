@@ -70,12 +70,12 @@ bench-loader-cosmo: install
 bench-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.bench_train --suite resnet --data_dir $(CIFAR_DIR) --out bench_results/resnet_demo.json
 
-# real runs of each stage's demo config and the ViT data-parallel sweep (1, 2, 4 CPU ranks) into example_logs/:
-# out.log and TensorBoard events, no checkpoints (several minutes on 2 cores)
 # GPU only: ms/step eager vs CUDA graph (also step 4 of gpu-check)
 bench-graph: install
 	$(PY) -m benchmarks.bench_graph --out bench_results/gpu/bench_graph.json
 
+# real runs of each stage's demo config and the ViT data-parallel sweep (1, 2, 4 CPU ranks) into example_logs/:
+# out.log and TensorBoard events, no checkpoints (several minutes on 2 cores)
 example-logs: install $(DATA_DIR)/stats/global_stds.npy $(COSMO_DIR)/downsamp_1024crop_valid.h5 $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.example_logs --out example_logs --era5_dir $(DATA_DIR) --cosmo_dir $(COSMO_DIR) --cifar_dir $(CIFAR_DIR)
 

@@ -135,9 +135,7 @@ def main(argv=None):
     static_inp, static_tar = to_device(*train_loader.first_batch())
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
-    # devices sharing the work: one per rank, or every visible GPU under DataParallel
-    num_devices = (torch.cuda.device_count() if args.parallel == "dp" and device.type == "cuda"
-                   else comm.get_size("dp"))
+    num_devices = comm.get_size("dp")  # devices sharing the work: one GPU per data-parallel rank (no DataParallel)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")

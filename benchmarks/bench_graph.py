@@ -12,19 +12,17 @@ batch / samples per second. FULL (with the loader) is reported beside it. Cases:
 Sample data is generated once, in the layout `make gpu-check` uses (data/gpu_check/{tiny,full}/...). Also step 4 of
 benchmarks/gpu_check.py. On a machine without CUDA it stops with one line.
 """
-import json
 import os
-import subprocess
 import sys
 import time
 from collections import namedtuple
 
 import torch
 
+from benchmarks.gpu_check import DATA_SIZES, make_data, run_stage
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Case = namedtuple("Case", "name yaml config dataset flags")
 CASES = [
     Case("vit_tiny", "config/ViT.yaml", "tiny", "era5", []),
@@ -38,26 +36,14 @@ def log(message):
     print(f"[bench-graph {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def benchy(script, case, data_dir, work, nbatches, ntrials, nwarmup):
-    """`script --enable_benchy` on one case; its JSON results."""
-    out = os.path.join(work, f"{case.name}_{os.path.splitext(script)[0]}")
-    command = [sys.executable, script, "--yaml_config", case.yaml, "--config", case.config, "--data_dir", data_dir,
-               "--expdir", os.path.join(work, "runs", case.name, script), "--enable_benchy", "--benchy_nbatches",
-               str(nbatches), "--benchy_ntrials", str(ntrials), "--benchy_nwarmup", str(nwarmup), *case.flags]
-    log(" ".join(command[1:]))
-    result = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, BENCHY_OUTPUT=out), capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{script} failed: {(result.stderr.strip().splitlines() or ['(no output)'])[-1]}")
-    with open(out + ".json") as f:
-        return json.load(f)
-
-
 def measure(case, data_dir, work, nbatches=20, ntrials=2, nwarmup=1):
     """ms per step of train.py and train_graph.py on one case, and the speed-up of the graph."""
     result = {"config": f"{case.yaml} {case.config} {' '.join(case.flags)}".strip()}
     for kind, script in SCRIPTS.items():
-        bench = benchy(script, case, data_dir, work, nbatches, ntrials, nwarmup)
+        bench = run_stage(f"{case.name}_{kind}", case.yaml, case.config, data_dir, case.flags, work,
+                          {"nbatches": nbatches, "ntrials": ntrials, "nwarmup": nwarmup}, script=script)
+        if not bench["ok"]:
+            raise RuntimeError(f"{script} failed: {bench['error'][0]}")
         batch = bench["global_batch_size"]
         result[kind] = {"ms_per_step": 1000 * batch / bench["SYNTHETIC"]["mean"],
                         "full_ms_per_step": 1000 * batch / bench["FULL"]["mean"],
@@ -69,7 +55,6 @@ def measure(case, data_dir, work, nbatches=20, ntrials=2, nwarmup=1):
 
 def run(tiny, data_root, work):
     """Every case (the small ViT only with `tiny`); {"cases": {name: result or error}, "failures": [...]}."""
-    from benchmarks.gpu_check import DATA_SIZES, make_data
     cases = CASES[:1] if tiny else CASES
     bench = {"nbatches": 5, "ntrials": 1, "nwarmup": 1} if tiny else {"nbatches": 20, "ntrials": 2, "nwarmup": 1}
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,

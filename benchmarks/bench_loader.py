@@ -54,6 +54,10 @@ def loader_params(data_dir, batch, workers, height, width):
     return params
 
 
+def machine():
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
 def rate_of(batches, nbatches, batch):
     """samples/s over `nbatches` batches of an endless iterator, its first batch (start-up) outside the clock."""
     next(batches)
@@ -154,7 +158,7 @@ def main(argv=None):
             trials.append((label, lambda params=params: endless_batches(get_data_loader(params, train=True))))
     rows = measure(trials, args)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
-    write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    write_json(args.out, {"machine": machine(),
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
                           "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows})
     print(f"[bench_loader] written to {args.out}")
@@ -229,7 +233,7 @@ def cosmo_main(args):
               f"{len(ratios)} rounds)", flush=True)
     h5.close()
     sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
-    write_json(args.out, {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    write_json(args.out, {"machine": machine(),
                           "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
                           "nbatches": args.nbatches, "repeats": args.repeats, "sample_pair_mb": sample_mb,
                           "raw_reference": "raw h5py (1 thread)", "rows": rows, "dali_over_pytorch": versus})

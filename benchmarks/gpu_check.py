@@ -60,10 +60,11 @@ def make_data(root, sizes):
     return paths
 
 
-def run_stage(name, yaml, config, data_dir, flags, work, bench):
-    """train.py --enable_benchy for one stage; its JSON plus the wall time, or the error."""
+def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py"):
+    """`script --enable_benchy` (train.py, or train_graph.py for bench_graph) for one stage; its JSON plus the wall
+    time, or the error."""
     out = os.path.join(work, f"benchy_{name}")
-    command = [sys.executable, "train.py", "--yaml_config", yaml, "--config", config, "--data_dir", data_dir,
+    command = [sys.executable, script, "--yaml_config", yaml, "--config", config, "--data_dir", data_dir,
                "--expdir", os.path.join(work, "runs", name), "--enable_benchy", "--benchy_nbatches",
                str(bench["nbatches"]), "--benchy_ntrials", str(bench["ntrials"]), "--benchy_nwarmup",
                str(bench["nwarmup"]), *flags]

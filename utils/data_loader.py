@@ -221,10 +221,7 @@ class TorchLoader:
 
     def first_batch(self):
         """The first batch of epoch 0, as the loop will see it (for the step-0 values)."""
-        probe, indices = probe_copy(self.dataset), batch_indices(self.sampler, self.batch_size, 0, 0)
-        if hasattr(probe, "__getitems__"):
-            return probe.__getitems__(indices)
-        return default_collate([probe[i] for i in indices])
+        return read_first_batch(self.dataset, self.sampler, self.batch_size)
 
     def describe(self, epoch, step):
         """The samples of batch `step` of `epoch` on this rank, by file where the dataset can tell."""
@@ -234,13 +231,19 @@ class TorchLoader:
         return f"sample indices {', '.join(map(str, indices))}"
 
 
+def read_first_batch(dataset, sampler, batch_size):
+    """Batch 0 of epoch 0 of this rank, read from a probe copy (nothing the loader will deliver is consumed)."""
+    probe, indices = probe_copy(dataset), batch_indices(sampler, batch_size, 0, 0)
+    if hasattr(probe, "__getitems__"):
+        return probe.__getitems__(indices)
+    return default_collate([probe[i] for i in indices])
+
+
 def probe_copy(dataset):
-    """A copy of a dataset for looking at samples (step 0, shapes): drawing from it leaves the training stream
-    untouched (a dataset's own random generator starts afresh) and opens its own files (handles opened here
-    must not reach the training copy or a loader's workers)."""
+    """A copy of a dataset for looking at samples (step 0, shapes) that opens its own files: handles opened here
+    must not reach the training copy or a loader's workers. (Samples are functions of their keys, so looking
+    draws nothing from any training stream.)"""
     probe = copy.copy(dataset)
-    if hasattr(probe, "rng"):
-        probe.rng = None
     if hasattr(probe, "files"):
         probe.files = [None] * len(probe.files)
     return probe

@@ -265,7 +265,7 @@ class CosmoDataset(Dataset):
         if self.mode in ("synthetic", "inmem"):
             return self.inp[window], self.tar[window]
         if self.mode == "dali-lowmem":  # channels-last copies: read the window, then channels first
-            return tuple(np.moveaxis(np.load(path, mmap_mode="r")[spatial], -1, 0) for path in self.npy_paths)
+            return tuple(np.moveaxis(self._memmap(which)[spatial], -1, 0) for which in (0, 1))
         try:
             inp = self._field(INPUT_FIELD)[window].astype(np.float32, copy=False)
             tar = self._field(TARGET_FIELD)[window].astype(np.float32, copy=False)

@@ -18,9 +18,8 @@ import warnings
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
-from utils.data_loader import batch_indices, probe_copy
+from utils.data_loader import batch_indices, read_first_batch
 from utils.errors import UserError
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
@@ -131,10 +130,7 @@ class PipelineLoader:
 
     # what the loop needs besides the batches, read without the pipeline (nothing is consumed)
     def first_batch(self):
-        probe, keys = probe_copy(self.dataset), batch_indices(self.sampler, self.batch_size, 0, 0)
-        if hasattr(probe, "__getitems__"):
-            return probe.__getitems__(keys)
-        return default_collate([probe[key] for key in keys])
+        return read_first_batch(self.dataset, self.sampler, self.batch_size)
 
     def describe(self, epoch, step):
         return self.dataset.describe(batch_indices(self.sampler, self.batch_size, epoch, step))

@@ -19,7 +19,7 @@ import itertools
 
 import numpy as np
 
-from utils.data_loader_cosmo import ROTATIONS
+from utils.data_loader_cosmo import plan_turn
 from utils.data_loader_dali import PipelineLoader, SamplerSource
 
 # A per-sample permutation of the spatial axes through one fixed transpose. Reshape the (D, H, W, C) crop to a
@@ -51,16 +51,6 @@ def turn_view(permutation, crop_size):
     return [crop_size if slot in SLOTS[tuple(permutation)] else 1 for slot in range(5)] + [-1]
 
 
-def dali_turn(plan):
-    """(permutation, flip flags (D, H, W)) of a CropPlan: the rotation's permutation, then the rotation's
-    reversals combined with the plan's extra flips (mirroring an axis twice leaves it as it was)."""
-    permutation, reversed_axes = ROTATIONS[plan.rotation]
-    flags = np.zeros(3, dtype=np.int32)
-    for axis in (*reversed_axes, *plan.flips):
-        flags[axis] ^= 1
-    return permutation, flags
-
-
 class CropSource(SamplerSource):
     """Per sample: roi_start, roi_end (int32 (3,)), the view's shape (int32 (6,), see turn_view), flip flags
     (int32 (3,))."""
@@ -72,7 +62,9 @@ class CropSource(SamplerSource):
     def __call__(self, sample_info):
         plan = self.dataset.plan(self.key(sample_info))
         start = np.array(plan.corner, dtype=np.int32)
-        permutation, flags = dali_turn(plan)
+        permutation, mirrored = plan_turn(plan)  # the rotation's reversals and the plan's flips combined
+        flags = np.zeros(3, dtype=np.int32)
+        flags[list(mirrored)] = 1
         view = np.array(turn_view(permutation, self.dataset.crop_size), dtype=np.int32)
         return start, start + self.dataset.crop_size, view, flags
 
