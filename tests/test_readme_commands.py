@@ -273,3 +273,20 @@ def test_the_checker_catches_stale_commands(command, message, monkeypatch, capsy
     with pytest.raises(Exception, match=message):
         check_command(command, monkeypatch)
     capsys.readouterr()
+
+
+def test_the_diff_sizes_readme_quotes_are_the_scripts_own():
+    """README quotes `diff A B` (N changed lines) for the lessons; N must be what diff shows today (the lines it
+    marks < or >), or the claim went stale when a script changed."""
+    import shutil
+    import subprocess
+    if shutil.which("diff") is None:
+        pytest.skip("no diff program on this machine")
+    with open(README) as f:
+        text = f.read()
+    claims = re.findall(r"`diff (\S+) (\S+)`\s*\((\d+) changed lines\)", text)
+    assert len(claims) >= 2  # train_graph.py and train_mp.py
+    for first, second, quoted in claims:
+        shown = subprocess.run(["diff", first, second], cwd=REPO_ROOT, capture_output=True, text=True).stdout
+        changed = sum(line[:1] in ("<", ">") for line in shown.splitlines())
+        assert int(quoted) == changed, f"README says `diff {first} {second}` is {quoted} changed lines: {changed}"
