@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install demo demo-unet demo-resnet test lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,21 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# the tutorial container's PyTorch (nersc/pytorch:24.08.01: torch 2.5, Python 3.10) in a second venv, and the
+# compatibility subset of the tests on it (tests marked `compat`; see docs/testing.md)
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_TORCH := torch==2.5.1 torchvision==0.20.1
+
+install-compat: $(COMPAT_VENV)/.installed
+
+$(COMPAT_VENV)/.installed: requirements.txt
+	bash .ci/compat_venv.sh $(COMPAT_VENV) "$(COMPAT_TORCH)"
+	touch $@
+
+test-compat: install-compat
+	$(COMPAT_PY) -m pytest -q -m compat tests
 
 # on a GPU node: every CUDA-only test and a short benchmark of each stage, one JSON (fails loudly on any error)
 gpu-check: install

@@ -30,16 +30,20 @@ LOGDIR=${LOGDIR:-$SCRATCH/dl-at-scale-training/logs}
 mkdir -p "$LOGDIR" || exit 2
 
 export HDF5_USE_FILE_LOCKING=FALSE
+# the NCCL network plugin over Slingshot (libfabric) needs this memory-registration cache monitor, on every node
+export FI_MR_CACHE_MONITOR=userfaultfd
 
 # rank 0 runs on the first node of the allocation: the others meet it there (also from other nodes)
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 
 command=(python "$TRAINING_SCRIPT" "$@")
-# Profiling: nsys records the window the script opens with cudaProfilerStart/Stop (4th epoch by default);
-# with several ranks each writes its own file (nsys fills in %q{SLURM_PROCID})
+# Profiling: nsys records the window the script opens with cudaProfilerStart/Stop (4th epoch by default); every rank
+# opens it, and with several ranks each writes its own file (nsys fills in %q{SLURM_PROCID})
 if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
     echo "Enabling profiling..."
+    # NVTX ranges by plain string (PyTorch's) count for --capture-range=nvtx; by default nsys matches registered ones only
+    export NSYS_NVTX_PROFILER_REGISTER_ONLY=0
     nsys_args=("--trace=cuda,cublas,nvtx" --kill none -c cudaProfilerApi -f true)
     case "$TRAINING_SCRIPT" in
         *graph*) nsys_args+=(--cuda-graph-trace=node) ;;  # kernels inside CUDA graphs, one by one

@@ -35,7 +35,6 @@ fi
 # arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE)
 # shellcheck source=submit_common.sh
 source ./submit_common.sh "$@"
-export FI_MR_CACHE_MONITOR=userfaultfd
 
 set -x
 # the command travels as positional parameters of `bash -c` (never re-parsed: spaces and quotes survive)

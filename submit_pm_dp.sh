@@ -28,7 +28,6 @@ fi
 # arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE)
 # shellcheck source=submit_common.sh
 source ./submit_common.sh "$@"
-export FI_MR_CACHE_MONITOR=userfaultfd
 
 # Reversing order of GPUs to match default CPU affinities from Slurm (CUDA_VISIBLE_DEVICES set empty, i.e. no
 # GPU, stays empty: the ranks then run on the CPU with gloo)

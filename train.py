@@ -28,6 +28,7 @@ from utils.optim import get_lr_scheduler, get_optimizer
 from utils.profiling import CudaProfilerWindow, nvtx_range
 from utils.training import (
     NONFINITE_CHECK_EVERY,
+    AutocastForward,
     EpochMeter,
     finish_run,
     load_config,
@@ -82,7 +83,8 @@ def main(argv=None):
                                         broadcast_buffers=not args.disable_broadcast_buffers,
                                         gradient_as_bucket_view=args.disable_broadcast_buffers)
     elif args.parallel == "dp":
-        model = DataParallel(model)  # one process scatters each batch over all visible GPUs (CPU: as is)
+        # one process scatters each batch over all visible GPUs (CPU: as is); each replica's thread enters autocast
+        model = DataParallel(AutocastForward(model, device.type, params.amp_dtype, params.amp_enabled))
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
     loss_fn = get_loss(params)
@@ -128,7 +130,7 @@ def main(argv=None):
     stop_iter = min(num_iters, args.stop_at_iter or num_iters)
     interval = params.checkpoint_interval
     log_freq = params.get("log_freq")
-    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=run.rank == 0)
+    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
     meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:

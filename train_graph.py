@@ -133,7 +133,7 @@ def main(argv=None):
     stop_iter = min(num_iters, args.stop_at_iter or num_iters)
     interval = params.checkpoint_interval
     log_freq = params.get("log_freq")
-    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=run.rank == 0)
+    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
     meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:

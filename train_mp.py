@@ -15,6 +15,7 @@ import time
 import torch
 from torch.nn.parallel import DataParallel
 
+from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
 from distributed.mappings import init_ddp_model_and_reduction_hooks
 from distributed.serial_state import (
@@ -35,6 +36,7 @@ from utils.optim import get_lr_scheduler, get_optimizer
 from utils.profiling import CudaProfilerWindow, nvtx_range, peak_memory_gb
 from utils.training import (
     NONFINITE_CHECK_EVERY,
+    AutocastForward,
     EpochMeter,
     finish_run,
     load_config,
@@ -88,7 +90,7 @@ def main(argv=None):
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
     optimizer = get_optimizer(params, model)
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
+    scaler = ModelParallelGradScaler(device.type, "tp-cp", enabled=params.amp_mode == "fp16")  # skip steps together
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, load_serial_state_dict,
                                      lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
 
@@ -99,7 +101,8 @@ def main(argv=None):
                                                    broadcast_buffers=not args.disable_broadcast_buffers,
                                                    gradient_as_bucket_view=args.disable_broadcast_buffers)
     elif args.parallel == "dp":
-        model = DataParallel(model)  # one process scatters each batch over all visible GPUs (CPU: as is)
+        # one process scatters each batch over all visible GPUs (CPU: as is); each replica's thread enters autocast
+        model = DataParallel(AutocastForward(model, device.type, params.amp_dtype, params.amp_enabled))
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
     loss_fn = get_loss(params)
@@ -127,9 +130,9 @@ def main(argv=None):
             scaler.update()
         return gen, loss
 
-    # devices sharing the work: one per rank, or every visible GPU under DataParallel
+    # devices sharing the model's FLOPs: every rank of the grid, or every visible GPU under DataParallel
     num_devices = (torch.cuda.device_count() if args.parallel == "dp" and device.type == "cuda"
-                   else comm.get_size("dp"))
+                   else comm.get_world_size())
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
@@ -145,7 +148,7 @@ def main(argv=None):
     stop_iter = min(num_iters, args.stop_at_iter or num_iters)
     interval = params.checkpoint_interval
     log_freq = params.get("log_freq")
-    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=run.rank == 0)
+    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
     meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:

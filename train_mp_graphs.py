@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
 from distributed.mappings import init_ddp_model_and_reduction_hooks
 from distributed.serial_state import (
@@ -91,7 +92,7 @@ def main(argv=None):
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
     optimizer = get_optimizer(params, model)
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
+    scaler = ModelParallelGradScaler(device.type, "tp-cp", enabled=params.amp_mode == "fp16")  # skip steps together
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, load_serial_state_dict,
                                      lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
     make_capturable(optimizer)  # lr in a device tensor that the schedule fills in place; capturable Adam
@@ -135,7 +136,7 @@ def main(argv=None):
     static_inp, static_tar = to_device(*train_loader.first_batch())
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
-    num_devices = comm.get_size("dp")  # devices sharing the work: one GPU per data-parallel rank (no DataParallel)
+    num_devices = comm.get_world_size()  # devices sharing the model's FLOPs: every rank of the grid, one GPU each
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
@@ -151,7 +152,7 @@ def main(argv=None):
     stop_iter = min(num_iters, args.stop_at_iter or num_iters)
     interval = params.checkpoint_interval
     log_freq = params.get("log_freq")
-    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, enabled=run.rank == 0)
+    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
     meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:

@@ -19,7 +19,7 @@ from collections import namedtuple
 
 import torch
 
-from benchmarks.gpu_check import DATA_SIZES, make_data, run_stage
+from benchmarks.common import DATA_SIZES, make_data, run_stage
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -41,7 +41,7 @@ def measure(case, data_dir, work, nbatches=20, ntrials=2, nwarmup=1):
     result = {"config": f"{case.yaml} {case.config} {' '.join(case.flags)}".strip()}
     for kind, script in SCRIPTS.items():
         bench = run_stage(f"{case.name}_{kind}", case.yaml, case.config, data_dir, case.flags, work,
-                          {"nbatches": nbatches, "ntrials": ntrials, "nwarmup": nwarmup}, script=script)
+                          {"nbatches": nbatches, "ntrials": ntrials, "nwarmup": nwarmup}, script=script, log=log)
         if not bench["ok"]:
             raise RuntimeError(f"{script} failed: {bench['error'][0]}")
         batch = bench["global_batch_size"]
@@ -62,7 +62,7 @@ def run(tiny, data_root, work):
     for case in cases:
         sizes = "tiny" if case.config == "tiny" else "full"
         try:  # one case failing (a run, its data, its JSON) is reported; the others still run
-            data = make_data(os.path.join(data_root, sizes), DATA_SIZES[sizes])
+            data = make_data(os.path.join(data_root, sizes), DATA_SIZES[sizes], log)
             report["cases"][case.name] = result = measure(case, data[case.dataset], work, **bench)
             log(f"{case.name}: eager {result['eager']['ms_per_step']:.2f} ms/step, graph "
                 f"{result['graph']['ms_per_step']:.2f} ms/step, speed-up {result['speedup']:.2f}x")

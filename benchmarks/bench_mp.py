@@ -3,10 +3,11 @@
     python -m benchmarks.bench_mp --data_dir data/era5 [--out bench_results/mp_demo.json]
 
 Each layout runs train_mp.py's built-in benchmark (--enable_benchy) under torchrun on this machine (gloo on CPUs,
-NCCL on GPUs). Reported per layout: FULL samples/s of the job, parameters held by one rank (what tp shards: the
-blocks' attention and MLP weights; what it leaves whole: patch and position embedding, norms, head), their
-bytes with Adam's two moments, and rank 0's peak memory (CUDA allocator high watermark, or the process's peak
-resident size on CPUs, which the Python runtime dominates for a model this small).
+NCCL on GPUs, one per rank: a layout with more ranks than the node has GPUs is skipped, and said so). Reported per
+layout: FULL samples/s of the job, parameters held by one rank (what tp shards: the blocks' attention and MLP
+weights; what it leaves whole: patch and position embedding, norms, head), their bytes with Adam's two moments, and
+rank 0's peak memory (CUDA allocator high watermark, or the process's peak resident size on CPUs, which the Python
+runtime dominates for a model this small).
 """
 import json
 import os
@@ -39,8 +40,12 @@ def main(argv=None):
     parser.add_argument("--out", default="bench_results/mp_demo.json")
     parser.add_argument("--nbatches", type=int, default=10)
     args = parser.parse_args(argv)
-    rows = []
+    rows, skipped = [], []
     for label, ranks, tp, cp in LAYOUTS:
+        if torch.cuda.is_available() and torch.cuda.device_count() < ranks:  # NCCL needs one GPU per rank
+            skipped.append(f"{label}: {ranks} ranks need {ranks} GPUs, this node has {torch.cuda.device_count()}")
+            print(f"[bench_mp] {skipped[-1]}; skipped (run on a node with {ranks} GPUs)", flush=True)
+            continue
         with tempfile.TemporaryDirectory() as work:
             out = os.path.join(work, "bench")
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
@@ -64,7 +69,8 @@ def main(argv=None):
               flush=True)
     machine = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU")
-    write_json(args.out, {"config": args.config, "machine": machine, "torch": torch.__version__, "rows": rows})
+    write_json(args.out, {"config": args.config, "machine": machine, "torch": torch.__version__, "rows": rows,
+                          "skipped": skipped})
     print(f"[bench_mp] written to {args.out}")
     return 0
 

@@ -15,69 +15,48 @@ Everything runs even after a failure; the exit code is non-zero if anything fail
 steps 1-3 (step 4 has not been timed on a GPU yet).
 `--tiny --allow-cpu` runs the same steps with the `tiny` configs (a check of this script on any machine).
 """
-import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 
 import torch
 
+from benchmarks import bench_graph
+from benchmarks.common import DATA_SIZES, REPO_ROOT, make_data, run_stage
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (yaml, config, data set, extra flags)
 STAGES = {
     "vit_short_bf16": ("config/ViT.yaml", "short", "era5", ["--amp_mode", "bf16", "--num_data_workers", "4"]),
     "unet_short": ("config/UNet.yaml", "short", "cosmo", []),
     "resnet_bs256_amp_nhwc_extra_opts": ("config/ResNet50.yaml", "bs256-amp-nhwc-extra-opts", "cifar100", []),
 }
-DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchmark cycles through them)
-    "full": {"era5": {"height": 360, "width": 720, "steps_per_year": 48, "train_years": 1, "valid_years": 1,
-                      "test_years": 1},
-             "cosmo": {"train_size": 128, "valid_size": 64}, "cifar100": {}},
-    "tiny": {"era5": {"height": 16, "width": 32, "steps_per_year": 24, "train_years": 1, "valid_years": 1,
-                      "test_years": 1},
-             "cosmo": {}, "cifar100": {"train_per_class": 2, "test_per_class": 1}},
-}
+SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] (\S+?):\d+: (.*)$")  # pytest -rs: SKIPPED [count] file:line: reason
+MULTI_GPU_COMMAND = "python -m pytest -m gpu tests -rs   # on a node with 2 or more GPUs"
 
 
 def log(message):
     print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def make_data(root, sizes):
-    from utils.sample_data import write_cifar100, write_cosmo, write_era5
-    writers = {"era5": write_era5, "cosmo": write_cosmo, "cifar100": write_cifar100}
-    paths = {}
-    for name, writer in writers.items():
-        paths[name] = os.path.join(root, name)
-        if not os.path.isdir(paths[name]):
-            log(f"generating {name} sample data in {paths[name]}")
-            writer(paths[name], verbose=False, **sizes[name])
-    return paths
-
-
-def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py"):
-    """`script --enable_benchy` (train.py, or train_graph.py for bench_graph) for one stage; its JSON plus the wall
-    time, or the error."""
-    out = os.path.join(work, f"benchy_{name}")
-    command = [sys.executable, script, "--yaml_config", yaml, "--config", config, "--data_dir", data_dir,
-               "--expdir", os.path.join(work, "runs", name), "--enable_benchy", "--benchy_nbatches",
-               str(bench["nbatches"]), "--benchy_ntrials", str(bench["ntrials"]), "--benchy_nwarmup",
-               str(bench["nwarmup"]), *flags]
-    log(f"{name}: {' '.join(command[1:])}")
-    start = time.time()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, BENCHY_OUTPUT=out), capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"],
-                "log_tail": result.stderr[-3000:]}
-    with open(out + ".json") as f:
-        bench_results = json.load(f)
-    return {"ok": True, "seconds": time.time() - start, "command": " ".join(command[1:]), **bench_results}
+def gpu_test_report(exit_code, output):
+    """What `pytest -q -rs -m gpu` ran and skipped, said plainly: the tests that need more GPUs than this node has,
+    with the command that runs them where there are enough."""
+    lines = output.strip().splitlines()
+    skipped = [{"count": int(m.group(1)), "where": m.group(2), "reason": m.group(3)}
+               for m in map(SKIP_LINE.match, lines) if m]
+    need_more = [s for s in skipped if re.search(r"needs? [2-9] GPUs|needs? \d+ or more GPUs", s["reason"])]
+    summary = lines[-1] if lines else "(no output)"
+    said = f"GPU tests on {torch.cuda.device_count()} GPU(s): {summary}"
+    if need_more:
+        said += (f"; {sum(s['count'] for s in need_more)} need more GPUs and did not run ("
+                 + "; ".join(sorted({s["reason"] for s in need_more})) + f"): {MULTI_GPU_COMMAND}")
+    return {"exit_code": exit_code, "summary": summary, "skipped": skipped,
+            "skipped_for_more_gpus": sum(s["count"] for s in need_more), "said": said}
 
 
 def main(argv=None):
@@ -99,21 +78,21 @@ def main(argv=None):
     failures = []
 
     if not args.skip_tests:
-        log(f"CUDA-only tests: pytest -m gpu {args.tests}")
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", args.tests, "-p",
+        log(f"CUDA-only tests: pytest -m gpu {args.tests} on {torch.cuda.device_count()} GPU(s)")
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", args.tests, "-p",
                                 "no:cacheprovider"], cwd=REPO_ROOT, capture_output=True, text=True)
-        summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+        report["gpu_tests"] = gpu_test_report(tests.returncode, tests.stdout)
         print(tests.stdout[-5000:], flush=True)
-        report["gpu_tests"] = {"exit_code": tests.returncode, "summary": summary}
+        log(report["gpu_tests"]["said"])
         if tests.returncode != 0:
-            failures.append(f"gpu tests: {summary}")
+            failures.append(f"gpu tests: {report['gpu_tests']['summary']}")
 
     sizes = "tiny" if args.tiny else "full"
-    data = make_data(os.path.join(os.path.abspath(args.work), sizes), DATA_SIZES[sizes])
+    data = make_data(os.path.join(os.path.abspath(args.work), sizes), DATA_SIZES[sizes], log)
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 20, "ntrials": 2, "nwarmup": 1}
     for name, (yaml, config, dataset, flags) in STAGES.items():
         result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags,
-                           os.path.abspath(args.work), bench)
+                           os.path.abspath(args.work), bench, log=log)
         report["stages"][name] = result
         if result["ok"]:
             log(f"{name}: FULL {result['FULL']['mean']:.1f} samples/s, MFU {100 * result['FULL']['mfu']:.1f}% "
@@ -123,7 +102,6 @@ def main(argv=None):
             log(f"{name} FAILED: {result['error'][0]}")
 
     if torch.cuda.is_available():
-        from benchmarks import bench_graph
         log("CUDA Graphs: train.py against train_graph.py, ms per step")
         report["cuda_graphs"] = bench_graph.run(args.tiny, os.path.abspath(args.work),
                                                 os.path.join(os.path.abspath(args.work), "bench_graph"))

@@ -132,22 +132,36 @@ def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
     return _ReduceScatterToParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
+def _all_reduce_in_place(grads, name):
+    """One all-reduce (sum) over the named group for a list of gradients (views into DDP's bucket, set in place)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=comm.get_group(name))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def _reduce_marked_gradients(state, bucket):
     """DDP comm hook: sum the gradients of weights shared over another group (their `mark_for_reduction`, e.g.
-    ["cp"]: each cp rank saw only its part of the sequence) over that group, then average the bucket over "dp".
-    Both are linear, so their order does not matter; the group sums run here, synchronously, because DDP calls
-    the hook for the buckets in the same order on every rank (a callback on the dp future could run them in
-    another order on each rank with gloo)."""
-    for name in [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]:
-        grads = [g for p, g in zip(bucket.parameters(), bucket.gradients())
-                 if name in getattr(p, "mark_for_reduction", [])]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=comm.get_group(name))
-            offset = 0
-            for g in grads:  # views into the bucket's buffer
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+    ["cp"]: each cp rank saw only its part of the sequence) over that group; then average the gradients of every
+    copy of a shared weight over the rest of the groups it is shared over (`is_shared_mp`, e.g. "tp"); then average
+    the bucket over "dp". The copies compute equal gradients in exact arithmetic, so the average changes nothing
+    there, but on a GPU kernels with atomics or cuDNN algorithms that each rank autotunes alone (cudnn.benchmark)
+    round differently, and un-averaged copies would drift apart step by step. All of it is linear, so the order
+    does not matter; the group reductions run here, synchronously, because DDP calls the hook for the buckets in the
+    same order on every rank (a callback on the dp future could run them in another order on each rank with gloo)."""
+    names = [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]
+    params = list(zip(bucket.parameters(), bucket.gradients()))
+    for name in names:
+        summed = [g for p, g in params if name in getattr(p, "mark_for_reduction", [])]
+        if summed:
+            _all_reduce_in_place(summed, name)
+    for name in names:
+        copies = [g for p, g in params
+                  if name in getattr(p, "is_shared_mp", []) and name not in getattr(p, "mark_for_reduction", [])]
+        if copies:
+            _all_reduce_in_place([g.div_(comm.get_size(name)) for g in copies], name)
     buffer = bucket.buffer()
     return dist.all_reduce(buffer.div_(comm.get_size("dp")), group=comm.get_group("dp"),
                            async_op=True).get_future().then(lambda fut: fut.value()[0])
@@ -156,8 +170,9 @@ def _reduce_marked_gradients(state, bucket):
 def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_cap_mb=25, broadcast_buffers=True,
                                        find_unused_parameters=False, gradient_as_bucket_view=True,
                                        static_graph=False):
-    """DDP over the data-parallel group; with context parallelism, a comm hook that also sums the gradients of
-    cp-shared weights over "cp". Returns the model unchanged when not distributed."""
+    """DDP over the data-parallel group; with tensor or context parallelism, a comm hook that also sums the
+    gradients of cp-shared weights over "cp" and averages those of replicated weights over the groups holding their
+    copies (_reduce_marked_gradients). Returns the model unchanged when not distributed."""
     if not dist.is_initialized():
         return model
     ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=output_device,

@@ -1,10 +1,16 @@
-"""Shared fixtures: small generated ERA5 data and a way to run train.py in-process or as a command."""
+"""Shared fixtures: small generated ERA5 data and a way to run train.py in-process or as a command.
+
+Tests not marked `gpu` run on the CPU also on a GPU node (`make test` there checks what it checks here): CUDA is
+hidden from them and from the commands they start. TESTS_KEEP_CUDA=1 leaves CUDA visible (the twin in
+tests/test_gpu_presence.py shows what then fails).
+"""
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -14,6 +20,16 @@ from utils.sample_data.era5 import write_era5  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one, run by `make gpu-check`")
+    config.addinivalue_line("markers", "compat: also run on the container's PyTorch (`make test-compat`)")
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu_unless_marked_gpu(request, monkeypatch):
+    """A test not marked gpu sees no CUDA (in this process and in the commands it starts): the device every script
+    chooses, DALI's device_id and the MFU's peak are then the CPU's, as on the machines CI runs on."""
+    if request.node.get_closest_marker("gpu") is None and os.environ.get("TESTS_KEEP_CUDA") != "1":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture
@@ -46,11 +62,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_command(args, nproc=1, timeout=600):
-    """Run train.py (or a module) as a real command; nproc > 1 goes through torchrun with gloo."""
+def run_command(args, nproc=1, timeout=600, gpu=False):
+    """Run train.py (or a module) as a real command; nproc > 1 goes through torchrun, with gloo on the CPU, or with
+    `gpu` NCCL on one GPU per rank (the caller checks there are enough)."""
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
     env.pop("WORLD_SIZE", None)
-    if nproc > 1:  # gloo on the CPU: a GPU node may have fewer GPUs than ranks (NCCL needs one each)
+    if nproc > 1 and not gpu:  # gloo on the CPU: a GPU node may have fewer GPUs than ranks (NCCL needs one each)
         env["CUDA_VISIBLE_DEVICES"] = ""
     launcher = [sys.executable]
     if nproc > 1:

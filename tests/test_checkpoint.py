@@ -34,6 +34,7 @@ def run(era5_dir, expdir, yaml, *flags):
     return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False), events
 
 
+@pytest.mark.compat
 def test_resume_equals_uninterrupted(era5_dir, tmp_path):
     """40 + 40 iterations with a restart (mid-epoch: 64 steps per epoch) == 80 in one go."""
     yaml = dropout_yaml(tmp_path)

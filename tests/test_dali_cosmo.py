@@ -91,6 +91,7 @@ def test_every_rotation_and_flip_is_the_same_in_both_loaders(small_boxes, monkey
     assert_same_batches(epoch_batches(dali_loader, 0), epoch_batches(torch_loader, 0))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_dali_returns_the_lowmem_crops_on_each_rank(small_boxes, dp_size):
     """Random plans: training (epochs 0 and 1, whole batches only) and validation (its last batch partial)."""

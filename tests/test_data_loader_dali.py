@@ -35,6 +35,7 @@ def epoch_batches(loader_, epoch, skip=0):
     return [(inp.clone(), tar.clone()) for inp, tar in loader_]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
     seen = []
@@ -95,6 +96,7 @@ def losses(run_dir):
     return {(tag, e.step): e.value for tag in ("Loss/train", "Loss/valid") for e in events.Scalars(tag)}
 
 
+@pytest.mark.compat
 def test_training_with_either_loader_gives_the_same_losses(era5_dir, tmp_path):
     runs = {}
     for config in ("pytorch", "dali"):

@@ -27,6 +27,7 @@ def single(era5_dir, tmp_path_factory):
     return trained_weights(era5_dir, tmp_path_factory.mktemp("one"), 1)[0]
 
 
+@pytest.mark.compat
 def test_two_ranks_match_one_process(era5_dir, tmp_path, single):
     two, log = trained_weights(era5_dir, tmp_path, 2)
     assert max_difference(single, two) < TOLERANCE

@@ -65,6 +65,17 @@ def test_train_mp_on_one_gpu_logs_cuda_memory(era5_dir, tmp_path, monkeypatch):
 def test_train_mp_tensor_parallel_over_nccl(era5_dir, tmp_path):
     from tests.conftest import run_command
     result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
-                          "--num_iters", "5", "--tensor_parallel", "2"], nproc=2)
+                          "--num_iters", "5", "--tensor_parallel", "2", "--amp_mode", "fp16"], nproc=2, gpu=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Setting DP = 1, TP = 2, CP = 1" in result.stderr
+    log = open(os.path.join(str(tmp_path), "tiny", "2MP", "00", "out.log")).read()
+    assert "on cuda" in log or "datasheet" in log  # NCCL ranks on GPUs, not gloo on the CPU
+
+
+def test_two_ranks_on_one_gpu_are_refused_in_one_line(era5_dir, tmp_path):
+    """More ranks than GPUs on a node: every rank stops with one line before NCCL's "Duplicate GPU detected"."""
+    from tests.conftest import run_command
+    result = run_command(["train.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                          "--num_iters", "2"], nproc=torch.cuda.device_count() + 1, gpu=True)
+    assert result.returncode != 0
+    assert "shared by two or more ranks of one node" in result.stderr

@@ -26,7 +26,7 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_P
 # a stand-in training script: records its arguments and the launch variables; STUB_FAIL_RANK=N makes rank N fail
 STUB = """import json, os, sys
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-         "HDF5_USE_FILE_LOCKING")
+         "HDF5_USE_FILE_LOCKING", "FI_MR_CACHE_MONITOR", "NSYS_NVTX_PROFILER_REGISTER_ONLY")
 with open(os.path.join(os.environ["STUB_OUT"], "rank" + os.environ["RANK"] + ".json"), "w") as out:
     json.dump({"script": os.path.basename(__file__), "argv": sys.argv[1:],
                "env": {name: os.environ.get(name) for name in names}}, out)
@@ -99,7 +99,9 @@ def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkou
         assert run["argv"] == AWKWARD_ARGS
         assert run["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4",
                               "MASTER_ADDR": "localhost", "MASTER_PORT": env["MASTER_PORT"],
-                              "CUDA_VISIBLE_DEVICES": "", "HDF5_USE_FILE_LOCKING": "FALSE"}
+                              "CUDA_VISIBLE_DEVICES": "", "HDF5_USE_FILE_LOCKING": "FALSE",
+                              # the NCCL network plugin's setting, in every script (submit_pm_mp.sh lacked it)
+                              "FI_MR_CACHE_MONITOR": "userfaultfd", "NSYS_NVTX_PROFILER_REGISTER_ONLY": None}
         assert record(tmp_path, "shifter", rank) == [f"-V={env['DATADIR']}:/data", f"-V={env['LOGDIR']}:/logs"]
         assert record(tmp_path, "nsys", rank) is None  # no profiling unless asked
 
@@ -127,7 +129,7 @@ def test_gpu_order_reversed_by_the_whole_node_scripts_unless_no_gpu_is_asked_for
 ])
 def test_profiling_wraps_every_rank_in_nsys(script, training_script, ntasks, graphs, checkout, tmp_path):
     """ENABLE_PROFILING=1: each rank runs under `nsys profile` with the original options, the CUDA-graph trace only
-    for the graph scripts, and its own report under LOGDIR when there are several ranks."""
+    for the graph scripts, NVTX ranges by string, and its own report under LOGDIR when there are several ranks."""
     env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), ENABLE_PROFILING="1", PROFILE_OUTPUT="baseline",
                   TRAINING_SCRIPT=training_script)
     result = sbatch(["-n", str(ntasks), script, "--config=short"], checkout, env)
@@ -137,6 +139,8 @@ def test_profiling_wraps_every_rank_in_nsys(script, training_script, ntasks, gra
     assert sorted(runs) == list(range(ntasks))
     for rank in range(ntasks):
         assert runs[rank]["argv"] == ["--config=short"]  # nsys ran the command it wrapped
+        # PyTorch's NVTX ranges are unregistered strings: without this, --capture-range=nvtx never starts
+        assert runs[rank]["env"]["NSYS_NVTX_PROFILER_REGISTER_ONLY"] == "0"
         options = record(tmp_path, "nsys", rank)
         assert options is not None, f"rank {rank} did not run under nsys"
         pairs = list(zip(options, options[1:]))
@@ -231,6 +235,7 @@ def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_pat
     assert (tmp_path / "runs" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt").is_file()
 
 
+@pytest.mark.compat
 def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
     env = job_env(tmp_path)
     result = sbatch(["--ntasks-per-node", "2", "submit_pm_mp.sh",

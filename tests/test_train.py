@@ -36,6 +36,7 @@ def scalar_steps(events, tag):
     return [e.step for e in events.Scalars(tag)]
 
 
+@pytest.mark.compat
 def test_log_lines_match_the_tutorial(tiny_run):
     _, _, log = tiny_run
     line_start = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - root - INFO - "
@@ -65,6 +66,7 @@ def test_tensorboard_tags_and_steps(tiny_run):
     assert lr[0] > lr[1] > lr[2] == pytest.approx(0.0, abs=1e-12)  # cosine reaches 0 after exactly num_iters
 
 
+@pytest.mark.compat
 def test_loss_falls_and_num_iters_are_run(tiny_run):
     run_dir, events, _ = tiny_run
     valid = [e.value for e in events.Scalars("Loss/valid")]
@@ -75,6 +77,7 @@ def test_loss_falls_and_num_iters_are_run(tiny_run):
     assert not [f for f in os.listdir(os.path.join(run_dir, "checkpoints")) if f.endswith(".tmp")]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("flags", [["--amp_mode", "bf16"], ["--enable_fused"], ["--amp_mode", "fp16"]])
 def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
     run_dir = run_train(era5_dir, tmp_path, "--num_iters", "20", *flags)
@@ -92,6 +95,7 @@ def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
         assert checkpoint["scaler"]["scale"] > 0  # GradScaler active only for fp16
 
 
+@pytest.mark.compat
 def test_enable_jit_compiles_a_tiny_model(era5_dir, tmp_path):
     from torch._dynamo.utils import counters
     counters.clear()

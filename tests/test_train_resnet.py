@@ -53,6 +53,7 @@ def test_original_configs_keep_their_meaning(name):
     assert bool(params.enable_profiling) == name.endswith("-prof")
 
 
+@pytest.mark.compat
 def test_cpu_run_learns_logs_accuracy_and_stops_at_desired_acc(cifar_dir, tmp_path):
     """tiny, ResNet18 on 5000 images of 100 classes, 156 steps per epoch: after one epoch the validation
     top-1 is far above chance (1%), so --desired_acc 0.05 stops the 3-epoch run there."""
@@ -72,6 +73,7 @@ def test_cpu_run_learns_logs_accuracy_and_stops_at_desired_acc(cifar_dir, tmp_pa
     assert re.search(r"train acc1=\d\.\d+, valid acc1=\d\.\d+", log)
 
 
+@pytest.mark.compat
 def test_channels_last_bf16_and_dataparallel_run_on_cpu(cifar_dir, tmp_path):
     run_dir, _, log = run_resnet(cifar_dir, tmp_path, "--num_iters", "3", "--amp_mode", "bf16", "--enable_nhwc",
                                  "--enable_fused", "--parallel", "dp")

@@ -72,6 +72,7 @@ def run_unet(cosmo_dir, expdir, *flags, config="tiny"):
     return os.path.join(str(expdir), config, "1GPU", "00")
 
 
+@pytest.mark.compat
 def test_unet_cpu_run_learns(cosmo_dir, tmp_path):
     """tiny (8 steps per epoch), 6 epochs: the validation L1 falls clearly; epoch lines as the tutorial's."""
     run_dir = run_unet(cosmo_dir, tmp_path, "--num_epochs", "6")

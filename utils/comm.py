@@ -10,6 +10,7 @@ groups "dp", "tp", "cp", "tp-cp" and "dp-cp". Sizes that cannot work (tp x cp no
 MLP width not dividing by tp, fewer patches than cp) are refused up front by validate_grid, in one line.
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
+import contextlib
 import datetime
 import logging
 import os
@@ -71,6 +72,18 @@ def get_grid():
     return dict(_grid)
 
 
+@contextlib.contextmanager
+def serial_layout():
+    """Within the block every named group has size 1, as in a single process: builds the serial model on a rank of
+    any layout (to count the model's FLOPs, say), without a collective."""
+    saved = dict(_groups)
+    _groups.clear()
+    try:
+        yield
+    finally:
+        _groups.update(saved)
+
+
 def validate_grid(world_size, tp, cp, num_heads=None, mlp_hidden=None, seq_len=None):
     """Refuse, with one UserError line, sizes the tp x cp x dp grid cannot run; return the dp size.
     Pure: no processes needed. num_heads, mlp_hidden (the MLP's hidden width) and seq_len (the number of
@@ -106,11 +119,67 @@ def _build_groups(generator):
                 _groups[name] = group
 
 
+def gpus_expected():
+    """Why this process should have a GPU ('' when nothing says so): CUDA_VISIBLE_DEVICES naming devices (set but
+    empty means no GPU on purpose), else Slurm's GPUs on this node, else the NVIDIA driver's device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"CUDA_VISIBLE_DEVICES={visible}" if visible.strip() not in ("", "-1", "NoDevFiles") else ""
+    if os.environ.get("SLURM_GPUS_ON_NODE", "0") not in ("", "0"):
+        return f"Slurm gave this node GPUs (SLURM_GPUS_ON_NODE={os.environ['SLURM_GPUS_ON_NODE']})"
+    return "this node has NVIDIA devices (/dev/nvidia0)" if os.path.exists("/dev/nvidia0") else ""
+
+
+def _why_no_cuda():
+    if torch.version.cuda is None:
+        return "this PyTorch is a CPU-only build"
+    try:
+        torch.cuda.init()
+    except Exception as err:  # the driver's reason: none found, too old for this build, ...
+        return str(err).splitlines()[0]
+    return "torch.cuda.is_available() is False"
+
+
 def get_device():
-    """cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    """cuda:LOCAL_RANK (modulo the GPUs this process sees: one each when Slurm binds a GPU per task) when CUDA is
+    present, else the CPU. A node that should have GPUs which PyTorch cannot use is refused in one line, instead of
+    training on the CPU unnoticed."""
     if torch.cuda.is_available():
         return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    expected = gpus_expected()
+    if expected:
+        raise UserError(f"{expected}, but PyTorch cannot use a GPU ({_why_no_cuda()}); load the tutorial's "
+                        "container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= (empty) to run "
+                        "on the CPU on purpose")
     return torch.device("cpu")
+
+
+def gpu_id(device):
+    """What tells this GPU apart from the others of its node (its UUID; '' on the CPU)."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"index {device.index}"
+
+
+def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
+    """Refuse, on every rank, two ranks of one node on the same GPU (more ranks than GPUs, or a wrong
+    CUDA_VISIBLE_DEVICES): NCCL would fail later with "Duplicate GPU detected". Each rank counts itself in under its
+    node and GPU in the rendezvous store, and all wait until every rank has."""
+    host = host or socket.gethostname()
+    if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # the first second claim of this GPU
+        store.add("gpu_claims/shared", 1)
+    store.add("gpu_claims/ranks", 1)
+    deadline = time.monotonic() + timeout
+    while store.add("gpu_claims/ranks", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise UserError(f"not every rank of {world_size} reached the GPU check within {timeout:g} s; start every "
+                            "rank, or raise --dist_timeout")
+        time.sleep(0.05)
+    shared = store.add("gpu_claims/shared", 0)
+    if shared:
+        raise UserError(f"{shared} GPU(s) are shared by two or more ranks of one node (NCCL needs one GPU per rank); "
+                        "start at most as many ranks per node as it has GPUs (srun --ntasks-per-node, torchrun "
+                        "--nproc_per_node), or check CUDA_VISIBLE_DEVICES")
 
 
 def _wait_for_master(addr, port, rank, timeout):
@@ -174,6 +243,8 @@ def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, *, tp=None,
                 raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
                                 f"{rendezvous_timeout:g} s ({err}); start every rank, or raise "
                                 "--dist_timeout") from None
+        if backend == "nccl":
+            check_one_rank_per_gpu(store, world_size, gpu_id(device), rendezvous_timeout)
         dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size)
     if dist.is_initialized():

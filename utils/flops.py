@@ -1,8 +1,11 @@
 """FLOPs per sample (counted once with torch.utils.flop_counter) and the peak they are measured against."""
+import os
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+from utils import comm
 
 # dense datasheet peaks in FLOP/s: (bf16/fp16, tf32, fp32)
 GPU_PEAKS = {
@@ -13,13 +16,16 @@ GPU_PEAKS = {
 
 
 def train_flops_per_sample(build_model, params, sample_shape):
-    """FLOPs of forward + backward for one sample of `sample_shape`, counted on the meta device."""
+    """FLOPs of forward + backward for one sample of `sample_shape`, counted on the meta device: the serial model's
+    (the model FLOPs of MFU), also on a rank of a tp x cp layout, which does its 1/(tp x cp) share of them. No
+    collective runs (torch 2.5 has no meta kernels for them)."""
     batch = 2  # BatchNorm in training mode refuses a single value per channel (1x1 maps at batch 1)
-    with torch.device("meta"):
-        model = build_model(params)
-        inp = torch.empty((batch, *sample_shape))
-    with FlopCounterMode(display=False) as counter:
-        model(inp).float().sum().backward()
+    with comm.serial_layout():
+        with torch.device("meta"):
+            model = build_model(params)
+            inp = torch.empty((batch, *sample_shape))
+        with FlopCounterMode(display=False) as counter:
+            model(inp).float().sum().backward()
     return counter.get_total_flops() // batch
 
 
@@ -55,6 +61,14 @@ def measure_matmul_peak(device, dtype=torch.float32, seconds=0.5, max_size=4096)
     return best
 
 
+def fp32_matmuls_use_tf32():
+    """Whether cuBLAS runs float32 matmuls on TF32 tensor cores: PyTorch's switch, or NGC containers'
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 (which overrides it), unless NVIDIA_TF32_OVERRIDE=0 turns TF32 off."""
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return False
+    return torch.backends.cuda.matmul.allow_tf32 or os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1"
+
+
 def peak_flops(device, dtype):
     """(peak FLOP/s, where it comes from): the datasheet for known GPUs, else a measured matmul."""
     if device.type == "cuda":
@@ -63,7 +77,7 @@ def peak_flops(device, dtype):
             if gpu in name:
                 if dtype in (torch.float16, torch.bfloat16):
                     return half, f"{gpu} datasheet {dtype}"
-                if torch.backends.cuda.matmul.allow_tf32:
+                if fp32_matmuls_use_tf32():
                     return tf32, f"{gpu} datasheet tf32"
                 return fp32, f"{gpu} datasheet fp32"
     if dtype == torch.float32:

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from utils.compat import lr_tensors_kept
 from utils.errors import UserError
 
 
@@ -156,7 +157,8 @@ class WarmupThenPlateau:
     def end_epoch(self, val_loss):
         """After the validation of an epoch: past warm-up, lower the lr when the loss stalls."""
         if math.ceil(self.last_epoch / self.steps_per_epoch) > self.warmup_epochs:
-            self.plateau.step(val_loss)
+            with lr_tensors_kept(self.optimizer):
+                self.plateau.step(val_loss)
 
     def state_dict(self):
         return {"last_epoch": self.last_epoch, "plateau": self.plateau.state_dict()}

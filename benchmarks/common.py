@@ -1,0 +1,49 @@
+"""What the benchmark commands that run the training scripts share (gpu_check.py, bench_graph.py): sample data at
+the stages' sizes, generated once, and one `--enable_benchy` run of a stage."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchmark cycles through them)
+    "full": {"era5": {"height": 360, "width": 720, "steps_per_year": 48, "train_years": 1, "valid_years": 1,
+                      "test_years": 1},
+             "cosmo": {"train_size": 128, "valid_size": 64}, "cifar100": {}},
+    "tiny": {"era5": {"height": 16, "width": 32, "steps_per_year": 24, "train_years": 1, "valid_years": 1,
+                      "test_years": 1},
+             "cosmo": {}, "cifar100": {"train_per_class": 2, "test_per_class": 1}},
+}
+
+
+def make_data(root, sizes, log=print):
+    from utils.sample_data import write_cifar100, write_cosmo, write_era5
+    writers = {"era5": write_era5, "cosmo": write_cosmo, "cifar100": write_cifar100}
+    paths = {}
+    for name, writer in writers.items():
+        paths[name] = os.path.join(root, name)
+        if not os.path.isdir(paths[name]):
+            log(f"generating {name} sample data in {paths[name]}")
+            writer(paths[name], verbose=False, **sizes[name])
+    return paths
+
+
+def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py", log=print):
+    """`script --enable_benchy` (train.py, or train_graph.py for bench_graph) for one stage; its JSON plus the wall
+    time, or the error."""
+    out = os.path.join(work, f"benchy_{name}")
+    command = [sys.executable, script, "--yaml_config", yaml, "--config", config, "--data_dir", data_dir,
+               "--expdir", os.path.join(work, "runs", name), "--enable_benchy", "--benchy_nbatches",
+               str(bench["nbatches"]), "--benchy_ntrials", str(bench["ntrials"]), "--benchy_nwarmup",
+               str(bench["nwarmup"]), *flags]
+    log(f"{name}: {' '.join(command[1:])}")
+    start = time.time()
+    result = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, BENCHY_OUTPUT=out), capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"],
+                "log_tail": result.stderr[-3000:]}
+    with open(out + ".json") as f:
+        bench_results = json.load(f)
+    return {"ok": True, "seconds": time.time() - start, "command": " ".join(command[1:]), **bench_results}

@@ -1,0 +1,29 @@
+"""fp16 loss scaling when each rank holds a different shard of the gradients (tensor and context parallelism).
+
+GradScaler skips an optimizer step whose gradients hold an inf or a nan, and halves the scale. Under data
+parallelism every rank sees the same all-reduced gradients and so decides alike; under tensor parallelism each rank
+checks only its own shard, so one rank could skip a step its peers take, and the copies of the shared weights (norms,
+embeddings, biases) part for good, with different loss scales on each rank. Here the found-inf flags are
+combined (max) over a named group before anyone decides, as Megatron's scaler does over its model-parallel group.
+"""
+import torch
+import torch.distributed as dist
+
+from utils import comm
+
+
+class ModelParallelGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler whose skip decision is taken together by the ranks of `group` (a utils.comm name,
+    "tp-cp" in train_mp.py): a step is skipped everywhere when any rank's gradient shard overflowed. Works with the
+    plain and the fused optimizer paths (both find infs through `_unscale_grads_`), also inside a CUDA graph."""
+
+    def __init__(self, device="cuda", group="tp-cp", **kwargs):
+        super().__init__(device, **kwargs)
+        self.group = group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found_inf_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if comm.get_size(self.group) > 1:
+            for device in sorted(found_inf_per_device, key=str):  # the same order on every rank
+                dist.all_reduce(found_inf_per_device[device], op=dist.ReduceOp.MAX, group=comm.get_group(self.group))
+        return found_inf_per_device

@@ -1,0 +1,203 @@
+"""GPU-only defects reproduced on the CPU: each check of a fix has a twin that shows the defect without it.
+
+- DataParallel runs each replica in a thread of its own, where torch re-enters autocast without the dtype (fp16 on
+  CUDA): the replica's forward must carry the run's dtype (utils/training.AutocastForward).
+- fp16 with tensor parallelism: one rank's gradient shard overflowing must skip the step on every rank of the
+  model-parallel group, with one loss scale (distributed/grad_scaler.py).
+- Copies of replicated weights (over tp) whose gradients round differently on each rank (atomics, cuDNN algorithms
+  autotuned per rank) must stay bitwise equal (distributed/mappings._reduce_marked_gradients).
+- Two ranks of a node on one GPU, a GPU node whose GPUs PyTorch cannot use, TF32 forced by the container: one line
+  each, or the right peak (utils/comm.py, utils/flops.py).
+- A tensor learning rate stays the tensor a CUDA graph was captured with, whatever the torch version's schedules
+  do (utils/compat.py).
+"""
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.conftest import as_spawned_rank, free_port
+from utils import comm, compat, flops
+from utils.errors import UserError
+from utils.training import AutocastForward
+
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("in_repo_root")]
+
+
+def forward_in_a_new_thread(module, x):
+    """What torch's parallel_apply does for each DataParallel replica: a new thread, autocast entered again with the
+    caller's on/off state but not its dtype."""
+    enabled, out = torch.is_autocast_enabled("cpu"), {}
+
+    def worker():
+        with torch.autocast("cpu", enabled=enabled):
+            out["y"] = module(x)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    return out["y"]
+
+
+def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype():
+    """On the CPU autocast's default is bf16, so the run asks for fp16 here (on CUDA the default is fp16 and a bf16
+    run is what goes wrong)."""
+    def replica():  # DataParallel replicates the module for every forward (autocast caches casts of weights)
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8)
+
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert replica()(x).dtype == torch.float16  # in the caller's thread
+        assert forward_in_a_new_thread(replica(), x).dtype == torch.bfloat16  # the twin: the dtype is lost
+        wrapped = AutocastForward(replica(), "cpu", torch.float16, enabled=True)
+        assert forward_in_a_new_thread(wrapped, x).dtype == torch.float16
+
+
+def test_a_tensor_lr_replaced_by_a_schedule_is_filled_in_place():
+    """torch < 2.6's ReduceLROnPlateau puts a float into the param group: a captured step would keep reading the
+    old tensor. lr_tensors_kept fills that tensor and puts it back; without it (the twin) the tensor is gone."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    lr = optimizer.param_groups[0]["lr"] = torch.tensor(0.1)
+    optimizer.param_groups[0]["lr"] = 0.05  # the twin: what such a schedule does
+    assert optimizer.param_groups[0]["lr"] is not lr and lr.item() == pytest.approx(0.1)
+    optimizer.param_groups[0]["lr"] = lr
+    with compat.lr_tensors_kept(optimizer):
+        optimizer.param_groups[0]["lr"] = 0.05
+    assert optimizer.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.05)
+
+
+def _tp2_rank(rank, world, port, found):
+    """tp=2: (1) fp16 loss scaling with an inf in rank 1's shard only, with the group's scaler and with torch's;
+    (2) training steps in which rank 1's gradient of the replicated patch embedding rounds differently, with the
+    comm hook's averaging and without it (the weight no longer marked as shared)."""
+    as_spawned_rank(rank, world, port)
+    from distributed.grad_scaler import ModelParallelGradScaler
+    from distributed.helpers import init_params_for_shared_weights
+    from distributed.mappings import init_ddp_model_and_reduction_hooks
+    from networks import get_model
+    from utils.loss import get_loss
+    from utils.YParams import YParams
+    torch.set_num_threads(1)
+    comm.init(rendezvous_timeout=60, tp=2)
+    params = YParams("config/ViT.yaml", "tiny")
+    loss_fn = get_loss(params)
+    generator = torch.Generator().manual_seed(1)
+    inp, tar = torch.randn(2, 20, 16, 32, generator=generator), torch.randn(2, 20, 16, 32, generator=generator)
+
+    def build(shared_embedding=True):
+        torch.manual_seed(params.seed)
+        model = get_model(params)
+        init_params_for_shared_weights(model)
+        if not shared_embedding:
+            model.patch_embed.proj.weight.is_shared_mp = []
+        return model, init_ddp_model_and_reduction_hooks(model, None, None)
+
+    out = {}
+    for label, scaler_class in (("group", ModelParallelGradScaler), ("torch", torch.amp.GradScaler)):
+        model, ddp = build()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scaler = scaler_class("cpu", init_scale=2.0**8)
+        scaler.scale(loss_fn(ddp(inp), tar)).backward()
+        if rank == 1:  # an overflow in this rank's shard of a tp-split weight
+            model.blocks[0].mlp.fc1.weight.grad[0, 0] = float("inf")
+        before = model.head.weight.detach().clone()  # replicated over tp
+        scaler.step(optimizer)
+        scaler.update()
+        out[label] = {"stepped": not torch.equal(before, model.head.weight), "scale": scaler.get_scale()}
+
+    for label, shared in (("averaged", True), ("not averaged", False)):
+        model, ddp = build(shared)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        weight = model.patch_embed.proj.weight
+        if rank == 1:  # a kernel that rounds differently on this rank
+            weight.register_hook(lambda grad: grad * (1 + 1e-6))
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss_fn(ddp(inp), tar).backward()
+            optimizer.step()
+        copies = [torch.empty_like(weight) for _ in range(2)]
+        dist.all_gather(copies, weight.detach(), group=comm.get_group("tp"))
+        out[label] = torch.equal(copies[0], copies[1])
+    found[rank] = out
+    comm.destroy()
+
+
+@pytest.fixture(scope="module")
+def tp2_results():
+    found = mp.Manager().dict()
+    mp.spawn(_tp2_rank, args=(2, free_port(), found), nprocs=2)
+    return dict(found)
+
+
+def test_an_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tp2_results):
+    group = [tp2_results[rank]["group"] for rank in (0, 1)]
+    assert group[0] == group[1] == {"stepped": False, "scale": 2.0**7}
+    plain = [tp2_results[rank]["torch"] for rank in (0, 1)]  # the twin: each rank decides alone
+    assert plain[0] == {"stepped": True, "scale": 2.0**8} and plain[1] == {"stepped": False, "scale": 2.0**7}
+
+
+def test_copies_of_a_replicated_weight_stay_equal_when_their_gradients_round_differently(tp2_results):
+    assert tp2_results[0]["averaged"] and tp2_results[1]["averaged"]
+    assert not tp2_results[0]["not averaged"]  # the twin: the copies part
+
+
+def claim_gpus(gpus, host="node1"):
+    """check_one_rank_per_gpu on one thread per rank (a store shared as by the rendezvous): what each rank says."""
+    store, said = dist.HashStore(), {}
+
+    def rank(index):
+        try:
+            comm.check_one_rank_per_gpu(store, len(gpus), gpus[index], timeout=30, host=host)
+            said[index] = "ok"
+        except UserError as err:
+            said[index] = str(err)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(len(gpus))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [said[index] for index in range(len(gpus))]
+
+
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank():
+    assert claim_gpus(["GPU-a", "GPU-b", "GPU-c"]) == ["ok"] * 3  # the twin: one GPU each
+    said = claim_gpus(["GPU-a", "GPU-b", "GPU-a"])
+    assert all(line.startswith("1 GPU(s) are shared by two or more ranks of one node") for line in said)
+
+
+def test_a_gpu_node_whose_gpus_pytorch_cannot_use_is_refused(monkeypatch):
+    """CUDA visible to the job (CUDA_VISIBLE_DEVICES, Slurm) but torch.cuda unusable: one line, never a quiet CPU
+    run; CUDA_VISIBLE_DEVICES set empty is the way to run on the CPU on purpose."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(UserError, match=r"^CUDA_VISIBLE_DEVICES=0,1,2,3, but PyTorch cannot use a GPU \("):
+        comm.get_device()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    with pytest.raises(UserError, match="Slurm gave this node GPUs"):
+        comm.get_device()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert comm.get_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("env, allow_tf32, expected", [
+    ({}, False, 19.5e12),
+    ({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, False, 156e12),  # NGC containers set it: fp32 matmuls run on TF32
+    ({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1", "NVIDIA_TF32_OVERRIDE": "0"}, False, 19.5e12),
+    ({}, True, 156e12),
+])
+def test_fp32_peak_is_tf32_where_cublas_uses_tf32(env, allow_tf32, expected, monkeypatch):
+    for name in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    saved, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, allow_tf32
+    try:
+        assert flops.peak_flops(torch.device("cuda", 0), torch.float32)[0] == expected
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
