@@ -7,8 +7,6 @@ import contextlib
 
 import torch
 
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
 
 @contextlib.contextmanager
 def lr_tensors_kept(optimizer):

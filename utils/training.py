@@ -278,7 +278,9 @@ def validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast, grou
     """Mean loss and metrics over the whole validation set (all ranks of `group`), and the last batch for a figure."""
     model.eval()
     sums = None
-    with torch.inference_mode():
+    # no_grad, not inference_mode: torch 2.5's gloo all-gather (cp) fills its outputs on another thread, where an
+    # inference tensor may not be written
+    with torch.no_grad():
         for inp, tar in valid_loader:
             inp, tar = to_device(inp, tar)
             with autocast:
