@@ -42,6 +42,25 @@ def test_gpu_check_refuses_a_machine_without_cuda(capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("error: make gpu-check needs an NVIDIA GPU")
 
 
+def test_gpu_check_says_which_gpu_tests_need_more_gpus_and_how_to_run_them(monkeypatch):
+    """On one GPU the 2-GPU tests are skipped: the report counts them, names why, and gives the command for a
+    node with more GPUs; a run that skipped none for that reason says nothing of the kind."""
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    output = "\n".join([
+        "....s.s",
+        "SKIPPED [1] tests/test_gpu.py:64: tensor parallelism over NCCL needs 2 GPUs",
+        "SKIPPED [2] tests/test_distributed_layers.py:145: the NCCL variant needs 2 GPUs (one per rank)",
+        "SKIPPED [1] tests/test_dali_cosmo.py:201: the GPU pipeline needs CUDA",
+        "12 passed, 4 skipped in 80.00s"])
+    report = gpu_check.gpu_test_report(0, output)
+    assert report["skipped_for_more_gpus"] == 3 and len(report["skipped"]) == 3
+    assert report["said"].startswith("GPU tests on 1 GPU(s): 12 passed, 4 skipped in 80.00s; 3 need more GPUs")
+    assert report["said"].endswith(gpu_check.MULTI_GPU_COMMAND) and "tensor parallelism over NCCL" in report["said"]
+    alone = gpu_check.gpu_test_report(0, "12 passed in 80.00s")
+    assert alone["skipped_for_more_gpus"] == 0 and "need more GPUs" not in alone["said"]
+
+
 def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
     """The same script on the tiny configs: gpu tests (all skipped here), data, the three stage benchmarks."""
     from benchmarks import gpu_check
