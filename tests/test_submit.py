@@ -253,6 +253,7 @@ def test_shell_scripts_are_shellcheck_clean():
     scripts = [os.path.join(REPO_ROOT, name) for name in sorted(os.listdir(REPO_ROOT)) if name.endswith(".sh")]
     docker = os.path.join(REPO_ROOT, "docker")
     scripts += [os.path.join(docker, name) for name in sorted(os.listdir(docker)) if name.endswith(".sh")]
+    scripts += [os.path.join(REPO_ROOT, ".ci", name) for name in ("run", "compat_venv.sh")]
     for name in sorted(os.listdir(FAKEBIN)):
         with open(os.path.join(FAKEBIN, name)) as stand_in:
             if stand_in.readline().startswith("#!/bin/bash"):
