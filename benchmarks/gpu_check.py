@@ -3,7 +3,8 @@
     make gpu-check        # python -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
 
 1. `pytest -m gpu tests`: the tests skipped on machines without CUDA (NCCL, autocast on the GPU, fused
-   optimizers, the profiler window, DataParallel, ...).
+   optimizers, the profiler window, DataParallel, ...). Those that need more GPUs than the node has are skipped,
+   counted in the report and named, with the command that runs them on a node with 2 or more GPUs.
 2. Sample data at the stages' real sizes (ERA5 360 x 720, cosmology boxes, CIFAR-100), generated once.
 3. train.py's built-in benchmark (--enable_benchy: IO, SYNTHETIC, FULL) for the ViT `short` config in bf16, the
    UNet `short` config and the ResNet `bs256-amp-nhwc-extra-opts` config: samples/s, MFU against the datasheet

@@ -23,13 +23,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "compat: also run on the container's PyTorch (`make test-compat`)")
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu_unless_marked_gpu(request, monkeypatch):
-    """A test not marked gpu sees no CUDA (in this process and in the commands it starts): the device every script
-    chooses, DALI's device_id and the MFU's peak are then the CPU's, as on the machines CI runs on."""
-    if request.node.get_closest_marker("gpu") is None and os.environ.get("TESTS_KEEP_CUDA") != "1":
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test not marked gpu sees no CUDA, in this process and in the commands it starts, from the set-up of its
+    fixtures (module-scoped ones too) to their teardown: the device every script chooses, DALI's device_id and the
+    MFU's peak are then the CPU's, as on the machines CI runs on."""
+    if item.get_closest_marker("gpu") is not None or os.environ.get("TESTS_KEEP_CUDA") == "1":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ them and from the commands they start).
 Checked by running tests that choose a device (the DALI loader picks the GPU when CUDA is present; train.py picks
 cuda:0 and the H100's datasheet peak instead of a measured one) in a pytest whose torch.cuda reports an H100
 (tests/fake_gpu_plugin.py): they pass. Their twin, with TESTS_KEEP_CUDA=1 (CUDA left visible), fails, as `make test`
-did on a GPU node before. A failure points to the autouse fixture in tests/conftest.py.
+did on a GPU node before. A failure points to pytest_runtest_protocol in tests/conftest.py.
 """
 import subprocess
 import sys

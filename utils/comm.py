@@ -166,7 +166,7 @@ def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
     CUDA_VISIBLE_DEVICES): NCCL would fail later with "Duplicate GPU detected". Each rank counts itself in under its
     node and GPU in the rendezvous store, and all wait until every rank has."""
     host = host or socket.gethostname()
-    if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # the first second claim of this GPU
+    if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # this GPU's second claim: count the GPU once
         store.add("gpu_claims/shared", 1)
     store.add("gpu_claims/ranks", 1)
     deadline = time.monotonic() + timeout
