@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -17,13 +17,13 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 $(DATA_DIR)/stats/global_stds.npy: | $(VENV)/.installed
-	$(PY) -m utils.sample_data era5 --out $(DATA_DIR)
+	$(PY) -m sample_data era5 --out $(DATA_DIR)
 
 $(COSMO_DIR)/downsamp_1024crop_valid.h5: | $(VENV)/.installed
-	$(PY) -m utils.sample_data cosmo --out $(COSMO_DIR)
+	$(PY) -m sample_data cosmo --out $(COSMO_DIR)
 
 $(CIFAR_DIR)/cifar-100-python/meta: | $(VENV)/.installed
-	$(PY) -m utils.sample_data cifar100 --out $(CIFAR_DIR)
+	$(PY) -m sample_data cifar100 --out $(CIFAR_DIR)
 
 demo: install $(DATA_DIR)/stats/global_stds.npy
 	$(PY) train.py --yaml_config config/ViT.yaml --config demo --data_dir $(DATA_DIR) --expdir logs --run_num $(RUN_NUM)
@@ -40,6 +40,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# every test that runs in this one process (no training ranks, commands or loader workers): about a minute
+test-fast: lint
+	$(PY) -m pytest -q -m "not multiprocess" tests
 
 # the tutorial container's PyTorch (nersc/pytorch:24.08.01: torch 2.5, Python 3.10) in a second venv, and the
 # compatibility subset of the tests on it (tests marked `compat`; see docs/testing.md)

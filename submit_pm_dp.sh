@@ -17,7 +17,7 @@
 #   sbatch -N 4 submit_pm_dp.sh --config=bs256_opt                       # 16 GPUs
 #   sbatch -A ntrain4_g --reservation=dlscale_training_1 -N 4 submit_pm_dp.sh ...  # sbatch options win over #SBATCH
 # Environment: as submit_pm.sh (TRAINING_SCRIPT [train.py], DATADIR, LOGDIR, IMAGE, ENABLE_PROFILING,
-# PROFILE_OUTPUT, BENCHY_OUTPUT); README "Running on Perlmutter" lists them with their defaults.
+# PROFILE_OUTPUT, BENCHY_OUTPUT); docs/cluster.md ("Environment variables") lists them with their defaults.
 
 TRAINING_SCRIPT=${TRAINING_SCRIPT:-train.py}
 if [ ! -f submit_common.sh ]; then

@@ -17,7 +17,7 @@
 #   sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=2 --context_parallel=2
 #   TRAINING_SCRIPT=train_mp_graphs.py sbatch -N 4 submit_pm_mp.sh ...                       # with CUDA graphs
 # Environment: as submit_pm.sh (TRAINING_SCRIPT [train_mp.py], DATADIR, LOGDIR, IMAGE, ENABLE_PROFILING,
-# PROFILE_OUTPUT, BENCHY_OUTPUT); README "Running on Perlmutter" lists them with their defaults.
+# PROFILE_OUTPUT, BENCHY_OUTPUT); docs/cluster.md ("Environment variables") lists them with their defaults.
 
 TRAINING_SCRIPT=${TRAINING_SCRIPT:-train_mp.py}
 if [ ! -f submit_common.sh ]; then

@@ -11,25 +11,25 @@ with --enable_fused).
 The run directory and checkpoints are train.py's, so a run resumes in either script.
 """
 import logging
-import os
-import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from networks import get_model
 from utils import comm, cuda_graphs, get_data_loader_distributed
-from utils.benchy import benchy_output_path, run_benchmarks
+from utils.benchy import run_benchmarks
 from utils.cli import training_parser
 from utils.errors import exit_on_user_error
 from utils.flops import Peak, train_flops_per_sample
 from utils.loss import get_loss
 from utils.metrics import get_train_metrics, get_valid_metrics
-from utils.optim import get_lr_scheduler, get_optimizer, make_capturable
+from utils.optim import get_lr_scheduler, get_optimizer
 from utils.profiling import CudaProfilerWindow, nvtx_range
 from utils.training import (
-    NONFINITE_CHECK_EVERY,
+    AutocastForward,
     EpochMeter,
+    Milestones,
+    devices_in_use,
     finish_run,
     load_config,
     log_step0,
@@ -52,7 +52,7 @@ def main(argv=None):
     comm.init(rendezvous_timeout=args.dist_timeout)  # every rank is a data-parallel replica: "dp" is the world
     run = start_run(args, params, layout=f"{comm.get_world_size()}GPU")
     device = run.device
-    cuda_graphs.check_support(params, args, device, instead="train.py")
+    cuda_graphs.check_support(params, args, device, script=__file__)
 
     # data: each data-parallel rank reads its own shard
     logging.info(f"rank {run.rank}, begin data loader init")
@@ -76,22 +76,26 @@ def main(argv=None):
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler)
-    make_capturable(optimizer)  # lr in a device tensor that the schedule fills in place; capturable Adam
 
-    # wrap: DDP all-reduces the gradients over the data-parallel group during backward; it is built on the side
-    # stream that warm-up and capture run on (the default stream cannot be captured)
-    stream = cuda_graphs.side_stream(device)
-    with cuda_graphs.on_stream(stream):
-        if comm.get_size("dp") > 1 and not args.noddp:
-            model = DistributedDataParallel(model, device_ids=[device.index], process_group=comm.get_group("dp"),
-                                            bucket_cap_mb=args.bucket_cap_mb,
-                                            broadcast_buffers=not args.disable_broadcast_buffers,
-                                            gradient_as_bucket_view=args.disable_broadcast_buffers)
+    stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
+    cuda_graphs.enter_stream(stream)
+    # wrap for data parallelism over "dp"
+    if comm.get_size("dp") > 1 and not args.noddp:  # DDP all-reduces the gradients during backward
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        process_group=comm.get_group("dp"), bucket_cap_mb=args.bucket_cap_mb,
+                                        broadcast_buffers=not args.disable_broadcast_buffers,
+                                        gradient_as_bucket_view=args.disable_broadcast_buffers)
+    elif args.parallel == "dp":
+        # one process scatters each batch over all visible GPUs (CPU: as is); each replica's thread enters autocast
+        model = DataParallel(AutocastForward(model, device.type, params.amp_dtype, params.amp_enabled))
+    if params.enable_jit:
+        model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
+    cuda_graphs.leave_stream(stream)
+
     loss_fn = get_loss(params)
     metrics_fn = get_valid_metrics(params)
     train_metrics_fn = get_train_metrics(params)
     autocast = torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled)
-    freeze_bn = params.get("freeze_bn", False)
 
     def to_device(inp, tar):
         inp = inp.to(device, non_blocking=True)
@@ -113,28 +117,21 @@ def main(argv=None):
         return gen, loss
 
     # capture: static input and target buffers shaped like the loader's batches (the target has the output's
-    # channels), warm-up steps on the side stream, then train_step recorded once, all-reduce and optimizer included
+    # channels), the lr made a device tensor (capturable Adam), warm-up steps on the side stream, then train_step
+    # recorded once, all-reduce and optimizer included
     static_inp, static_tar = to_device(*train_loader.first_batch())
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
-    num_devices = comm.get_size("dp")  # devices sharing the work: one GPU per data-parallel rank (no DataParallel)
+    num_devices = devices_in_use(args, device)  # one per rank, or every visible GPU under DataParallel
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
+    if params.enable_benchy:  # time the loader, the step, and both (utils/benchy.py) instead of training
+        return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak)
 
-    if params.enable_benchy:
-        set_train_mode(model, freeze_bn)
-        run_benchmarks(params, train_loader, to_device, graphed_step, device, benchy_output_path(run.exp_dir),
-                       flops_per_sample, peak, num_devices)
-        finish_run(run)
-        return
-
-    num_iters = params.num_iters
-    stop_iter = min(num_iters, args.stop_at_iter or num_iters)
-    interval = params.checkpoint_interval
-    log_freq = params.get("log_freq")
+    milestones = Milestones(params, args, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
+    meter = EpochMeter(device, train_loader, params)
     profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
-    meter = EpochMeter(device, train_loader)
     open_tensorboard(run, start_iter)
     if start_iter == 0:
         log_step0(run, model, train_loader.first_batch(), valid_loader, to_device, loss_fn, metrics_fn, autocast)
@@ -144,14 +141,12 @@ def main(argv=None):
         save(run, raw_model.state_dict(), optimizer.state_dict(), scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
-    iters = start_iter
-    while iters < stop_iter:
+    iters, stop = start_iter, milestones.stop(start_iter)
+    while not stop:
         epoch, first_step = divmod(iters, steps_per_epoch)
         train_loader.set_epoch(epoch, skip=first_step)  # resume at the same data position
-        meter.start(epoch_sums if iters == start_iter and first_step else None)
-        set_train_mode(model, freeze_bn)
-        comm.synchronize(device)
-        epoch_start = report_start = time.time()
+        set_train_mode(model, params)
+        meter.start(iters, epoch_sums if iters == start_iter else None)  # a resumed epoch keeps its sums
         for i, (inp, tar) in enumerate(train_loader, start=first_step):
             profiler_window.step(epoch, i)
             with nvtx_range(f"step {i}"):
@@ -159,46 +154,22 @@ def main(argv=None):
                     inp, tar = to_device(inp, tar)
                 gen, loss = graphed_step(inp, tar)  # copy into the static buffers, replay, clone the outputs
             scheduler.step()  # outside the step: a benchmark or a captured graph must not advance it
-            meter.add(loss, train_metrics_fn(gen.detach(), tar))
             iters += 1
-            if log_freq and i % log_freq == 0:  # the ResNet stage's progress line (img/s since the last one)
-                comm.synchronize(device)
-                now, steps = time.time(), min(log_freq, meter.steps)
-                logging.info(f"Epoch: {epoch + 1}, Iteration: {i}, "
-                             f"Avg img/sec: {steps * params.global_batch_size / (now - report_start):.2f}")
-                report_start = now
-            if iters % NONFINITE_CHECK_EVERY == 0:
-                meter.stop_if_not_finite(iters)
-            if interval and iters % interval == 0 and iters % steps_per_epoch and iters < stop_iter:
-                checkpoint(iters)  # mid-epoch; at an epoch's end it waits for the epoch's report
-            if iters >= stop_iter:
+            meter.add(loss, train_metrics_fn(gen.detach(), tar))  # the epoch's sums; progress line; nan check
+
+            val_means = None
+            if milestones.epoch_ends(iters):  # the epoch's report, then validation
+                profiler_window.end_epoch()
+                train_means = log_training_epoch(run, meter, iters, optimizer, flops_per_sample / num_devices, peak)
+                val_means, val_batch, val_seconds = validate(model, valid_loader, to_device, loss_fn, metrics_fn,
+                                                             autocast)
+                log_validation(run, iters, val_means, val_batch, val_seconds, train_means)
+                scheduler.end_epoch(val_means["loss"])  # the plateau schedule; a no-op for the others
+            stop = milestones.stop(iters, val_means)
+            if stop or milestones.checkpoint_due(iters):
+                checkpoint(iters)
+            if stop:
                 break
-        profiler_window.end_epoch()
-        comm.synchronize(device)
-        epoch_time = time.time() - epoch_start
-        meter.stop_if_not_finite(iters)
-        if iters % steps_per_epoch and iters < num_iters:  # --stop_at_iter mid-epoch: reported after the resume
-            logging.info(f"Stopped at iteration {iters} (--stop_at_iter); starting again resumes here")
-            break
-
-        train_means = meter.means()
-        log_training_epoch(run, epoch, iters, epoch_time, meter.steps, train_means, optimizer.param_groups[0]["lr"],
-                           lambda samples_per_sec: flops_per_sample * samples_per_sec / num_devices, peak)
-        val_start = time.time()
-        val_means, val_batch = validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast)
-        log_validation(run, iters, val_means, val_batch, time.time() - val_start, train_means)
-        if params.lr_schedule == "plateau" and iters % steps_per_epoch == 0:  # whole epochs only (resume)
-            scheduler.end_epoch(val_means["loss"])
-        meter.start()
-        if interval and iters % interval == 0 and iters < stop_iter:
-            checkpoint(iters)  # after the epoch's report: a resumed run never misses its points
-        if args.desired_acc is not None and val_means["Accuracy/top1/valid"] >= args.desired_acc:
-            logging.info(f"Reached the desired validation accuracy {args.desired_acc} at iteration {iters}; "
-                         "stopping")
-            break
-
-    if iters > start_iter or not os.path.isfile(run.checkpoint_path):
-        checkpoint(iters)
     finish_run(run)
 
 

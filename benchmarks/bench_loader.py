@@ -28,7 +28,6 @@ loaders of its round); each row gives the median and every round's rate. For the
 round (`make bench-loader-cosmo` runs 5 rounds).
 """
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import h5py
 import numpy as np
 from torch.utils.data import default_collate
 
+from benchmarks.common import REPO_ROOT, cpu_cores
 from utils.atomic import write_json
 from utils.benchy import endless_batches
 from utils.errors import ArgumentParser
@@ -45,17 +45,12 @@ from utils.errors import ArgumentParser
 def loader_params(data_dir, batch, workers, height, width):
     from utils.cli import apply_overrides, training_parser
     from utils.YParams import YParams
-    params = YParams(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "ViT.yaml"),
-                     "base")
+    params = YParams(os.path.join(REPO_ROOT, "config", "ViT.yaml"), "base")
     args = training_parser("bench").parse_args(["--data_dir", data_dir, "--local_batch_size", str(batch),
                                                 "--num_data_workers", str(workers)])
     apply_overrides(params, args, dp_size=1, dp_rank=0)
     params.img_size = [height, width]
     return params
-
-
-def machine():
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def rate_of(batches, nbatches, batch):
@@ -117,8 +112,8 @@ def main(argv=None):
         args.data_dir = args.data_dir or f"data/cosmo_{args.box}"
         return cosmo_main(args)
     args.data_dir = args.data_dir or "data/era5_360x720"
-    from utils.data_loader import get_data_loader
-    from utils.sample_data import write_era5
+    from loaders import get_data_loader
+    from sample_data import write_era5
     if not os.path.isdir(os.path.join(args.data_dir, "train")):
         print(f"[bench_loader] generating {args.height} x {args.width} sample data in {args.data_dir}", flush=True)
         write_era5(args.data_dir, height=args.height, width=args.width, steps_per_year=48, train_years=1,
@@ -135,7 +130,7 @@ def main(argv=None):
         for first in range(0, len(order) - args.batch + 1, args.batch):
             pairs = []
             for index in order[first:first + args.batch]:
-                year_idx, step = dataset._position(index)
+                year_idx, step = dataset.position(index)
                 fields = files[year_idx]
                 pairs.append((fields[step, :, :args.height, :args.width],
                               fields[step + dataset.dt, :, :args.height, :args.width]))
@@ -158,7 +153,7 @@ def main(argv=None):
             trials.append((label, lambda params=params: endless_batches(get_data_loader(params, train=True))))
     rows = measure(trials, args)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
-    write_json(args.out, {"machine": machine(),
+    write_json(args.out, {"machine": cpu_cores(),
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
                           "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows})
     print(f"[bench_loader] written to {args.out}")
@@ -169,8 +164,7 @@ def main(argv=None):
 def cosmo_params(data_dir, config, batch, workers, crop, epoch_steps):
     from utils.cli import apply_overrides, training_parser
     from utils.YParams import YParams
-    params = YParams(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "UNet.yaml"),
-                     "base")
+    params = YParams(os.path.join(REPO_ROOT, "config", "UNet.yaml"), "base")
     args = training_parser("bench").parse_args(["--data_dir", data_dir, "--local_batch_size", str(batch),
                                                 "--num_data_workers", str(workers), "--data_loader_config", config])
     apply_overrides(params, args, dp_size=1, dp_rank=0)
@@ -180,8 +174,8 @@ def cosmo_params(data_dir, config, batch, workers, crop, epoch_steps):
 
 def cosmo_main(args):
     """The cosmology crops: raw reads of the same windows, then the PyTorch and DALI loaders."""
-    from utils.data_loader import get_data_loader
-    from utils.sample_data.cosmo import TRAIN_FILE, write_cosmo
+    from loaders import get_data_loader
+    from sample_data.cosmo import TRAIN_FILE, write_cosmo
     if not os.path.isfile(os.path.join(args.data_dir, TRAIN_FILE)):
         print(f"[bench_loader] generating a {args.box}^3 cosmology box in {args.data_dir}", flush=True)
         write_cosmo(args.data_dir, train_size=args.box, valid_size=16, verbose=False)
@@ -233,7 +227,7 @@ def cosmo_main(args):
               f"{len(ratios)} rounds)", flush=True)
     h5.close()
     sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
-    write_json(args.out, {"machine": machine(),
+    write_json(args.out, {"machine": cpu_cores(),
                           "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
                           "nbatches": args.nbatches, "repeats": args.repeats, "sample_pair_mb": sample_mb,
                           "raw_reference": "raw h5py (1 thread)", "rows": rows, "dali_over_pytorch": versus})

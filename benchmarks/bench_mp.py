@@ -11,26 +11,19 @@ runtime dominates for a model this small).
 """
 import json
 import os
-import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 
 import torch
 
+from benchmarks.common import cpu_cores, free_port
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
 LAYOUTS = [("tp=1", 1, 1, 1), ("tp=2", 2, 2, 1), ("cp=2", 2, 1, 2)]  # label, ranks, tp, cp
 PARAMS_LINE = re.compile(r"Number of parameters on this rank: ([\d,]+)")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):
@@ -67,8 +60,7 @@ def main(argv=None):
         print(f"[bench_mp] {label}: {rows[-1]['samples_per_sec']:.1f} samples/s, {params:,} parameters per rank "
               f"({rows[-1]['params_and_adam_mb']:.1f} MB with Adam), peak memory {bench['peak_memory_gb']:.2f} GB",
               flush=True)
-    machine = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU")
+    machine = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_cores()}, no GPU"
     write_json(args.out, {"config": args.config, "machine": machine, "torch": torch.__version__, "rows": rows,
                           "skipped": skipped})
     print(f"[bench_mp] written to {args.out}")

@@ -11,7 +11,6 @@ unet: each variant runs `train.py --enable_benchy` and reports its IO, SYNTHETIC
 """
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import tempfile
 
 import torch
 
+from benchmarks.common import device_name
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -120,7 +120,7 @@ def main(argv=None):
                       flush=True)
             rows.append(row)
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+    device = device_name()
     results = {"suite": args.suite, "config": args.config, "device": device, "cpu_count": os.cpu_count(),
                "rows": rows}
     print(f"\n({args.suite}, config {args.config}, {device}, {os.cpu_count()} cores)")

@@ -1,7 +1,10 @@
-"""What the benchmark commands that run the training scripts share (gpu_check.py, bench_graph.py): sample data at
-the stages' sizes, generated once, and one `--enable_benchy` run of a stage."""
+"""What the benchmark commands share: the machine in words, a free port for torchrun, and for those that run the
+training scripts (gpu_check.py, bench_graph.py) sample data at the stages' sizes, generated once, and one
+`--enable_benchy` run of a stage. No benchmark module imports another's helpers: shared ones live here."""
 import json
 import os
+import platform
+import socket
 import subprocess
 import sys
 import time
@@ -17,8 +20,27 @@ DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchm
 }
 
 
+def cpu_cores():
+    """This machine's processor and core count, e.g. 'x86_64, 2 cores'."""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def device_name():
+    """The GPU the runs use, else 'CPU (<processor>)'."""
+    import torch  # lazy: example_logs.py and figures.py import this module without needing torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+
+
+def free_port():
+    """A TCP port free on this machine now (torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def make_data(root, sizes, log=print):
-    from utils.sample_data import write_cifar100, write_cosmo, write_era5
+    """Sample data of each stage under `root` at `sizes` (DATA_SIZES[...]), generated where missing; {name: dir}."""
+    from sample_data import write_cifar100, write_cosmo, write_era5
     writers = {"era5": write_era5, "cosmo": write_cosmo, "cifar100": write_cifar100}
     paths = {}
     for name, writer in writers.items():

@@ -23,15 +23,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
+from benchmarks.common import REPO_ROOT, free_port
 from utils.atomic import write_bytes, write_json
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VIT_EPOCH_ITERS = 256  # the ViT demo config's num_iters at batch 8: 8 epochs of the default sample data
 
 # name -> (stage folder, yaml, data kind, ranks, extra flags, what it is)
@@ -91,17 +90,11 @@ def ensure_data(kind, data_dir):
     if os.path.exists(os.path.join(data_dir, marker)):
         return
     print(f"[example_logs] generating {kind} sample data in {data_dir} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "utils.sample_data", subcommand, "--out", data_dir],
+    result = subprocess.run([sys.executable, "-m", "sample_data", subcommand, "--out", data_dir],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"generating {kind} sample data in '{data_dir}' failed: "
                         f"{(result.stderr.strip().splitlines() or ['no message'])[-1]}")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_args(name, data_dir, expdir):

@@ -17,7 +17,6 @@ steps 1-3 (step 4 has not been timed on a GPU yet).
 `--tiny --allow-cpu` runs the same steps with the `tiny` configs (a check of this script on any machine).
 """
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import time
 import torch
 
 from benchmarks import bench_graph
-from benchmarks.common import DATA_SIZES, REPO_ROOT, make_data, run_stage
+from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, run_stage
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -73,8 +72,7 @@ def main(argv=None):
         print("error: make gpu-check needs an NVIDIA GPU (torch.cuda.is_available() is False here); run it on a "
               "GPU node, e.g. `salloc -C gpu -N 1 -G 1` then `make gpu-check`", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
-    report = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "started": time.ctime(),
+    report = {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "started": time.ctime(),
               "stages": {}}
     failures = []
 

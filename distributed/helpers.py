@@ -1,4 +1,5 @@
-"""Split shapes and the collectives under the parallel mappings, over process groups named in utils.comm.
+"""Split shapes and the collectives under the parallel mappings, over process groups named in utils.comm; the
+shared-weight protocol (mark_shared, init_params_for_shared_weights).
 
 Sequence lengths rarely divide the number of ranks (4050 tokens over cp=4), so every collective here takes the
 per-rank sizes along the split dimension. Uneven all-gathers and reduce-scatters are padded to the largest chunk,
@@ -33,7 +34,7 @@ def split_tensor_along_dim(tensor, dim, num_chunks):
     return torch.split(tensor, compute_split_shapes(tensor.shape[dim], num_chunks), dim=dim)
 
 
-def _reduce(x, name):
+def reduce(x, name):
     """Sum of `x` over the named group (a new contiguous tensor; `x` itself is left alone)."""
     if comm.get_size(name) == 1:
         return x
@@ -42,7 +43,7 @@ def _reduce(x, name):
     return x
 
 
-def _split(x, dim, name):
+def split(x, dim, name):
     """This rank's chunk of `x` along `dim` (contiguous)."""
     size = comm.get_size(name)
     if size == 1:
@@ -63,7 +64,7 @@ def _padded_all_gather(x, dim, shapes, name):
     return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, shapes)]
 
 
-def _gather(x, dim, shapes, name):
+def gather(x, dim, shapes, name):
     """Concatenation along `dim` of every rank's `x` (rank order); `shapes` = sizes along `dim` per rank
     (None: all equal to this rank's)."""
     size = comm.get_size(name)
@@ -76,7 +77,7 @@ def _gather(x, dim, shapes, name):
     return torch.cat(_padded_all_gather(x, dim, shapes, name), dim=dim)
 
 
-def _reduce_scatter(x, dim, shapes, name):
+def reduce_scatter(x, dim, shapes, name):
     """This rank's chunk (sizes per rank in `shapes`, None: even) of the sum of `x` over the group."""
     size = comm.get_size(name)
     if size == 1:
@@ -99,23 +100,30 @@ def _reduce_scatter(x, dim, shapes, name):
         dist.reduce_scatter(out, chunks, group=comm.get_group(name))
         return out.narrow(dim, 0, shapes[rank]).contiguous()
     # gloo has no reduce-scatter: the same result from a sum over the group and this rank's slice
-    return torch.split(_reduce(x, name), shapes, dim=dim)[rank].contiguous()
+    return torch.split(reduce(x, name), shapes, dim=dim)[rank].contiguous()
+
+
+def mark_shared(param, shared_over, summed_over=()):
+    """Mark `param` as a weight whose copies live on several ranks (the shared-weight protocol): `is_shared_mp`
+    names the groups over which its copies must stay equal (init_params_for_shared_weights, the DDP hook averages
+    their gradients), `mark_for_reduction` those over which its gradients are summed instead (each rank's covers
+    only its part of the sequence, e.g. ["cp"]). None entries (a layer built without that group) are left out."""
+    param.is_shared_mp = [name for name in shared_over if name is not None]
+    param.mark_for_reduction = [name for name in summed_over if name is not None]
+    return param
 
 
 @torch.no_grad()
 def init_params_for_shared_weights(model):
     """Make every copy of a shared weight equal to its copy on rank 0 of each group it is shared over.
 
-    Parameters of the distributed layers say where they are shared (`is_shared_mp`, e.g. ["cp"] or ["tp", "cp"]);
-    every other parameter (patch and position embedding, final norm, head) is replicated over the whole
-    model-parallel group and gets ["tp-cp"]. With the same seed on every rank the copies are already equal; this
-    guarantees it whatever the seeds.
+    Parameters of the distributed layers say where they are shared (`is_shared_mp`, e.g. ["cp"] or ["tp", "cp"]:
+    mark_shared); every other parameter (e.g. a ViT's patch and position embedding and head) is replicated over the
+    whole model-parallel group and is marked ["tp-cp"] here. With the same seed on every rank the copies are already
+    equal; this guarantees it whatever the seeds.
     """
     for param in model.parameters():
-        if not hasattr(param, "is_shared_mp"):
-            param.is_shared_mp = ["tp-cp"]
-        if not hasattr(param, "mark_for_reduction"):
-            param.mark_for_reduction = []
+        mark_shared(param, getattr(param, "is_shared_mp", ["tp-cp"]), getattr(param, "mark_for_reduction", []))
         for name in param.is_shared_mp:
             if name is not None and comm.get_size(name) > 1:
                 group = comm.get_group(name)

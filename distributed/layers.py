@@ -1,24 +1,21 @@
-"""Tensor- and context-parallel layers of the ViT: the serial layers' math, with weights and activations split.
+"""Tensor- and context-parallel layers: the math of nn.Linear, an MLP, attention and nn.LayerNorm, split.
 
 Tensor parallelism (tp) splits weights: a column-parallel matmul keeps a slice of the output features, the
 row-parallel matmul after it a slice of the input features, and one all-reduce per pair restores the output.
 Attention heads and the MLP's hidden width are split this way. Context parallelism (cp) splits the sequence:
 each rank keeps a chunk of the tokens, and attention gathers the keys and values of the whole sequence.
-Weights are then shared over cp ranks whose gradients each cover only their tokens: `mark_for_reduction`
-names the groups over which those gradients are summed (see mappings.init_ddp_model_and_reduction_hooks), and
-`is_shared_mp` the groups over which copies must stay equal (helpers.init_params_for_shared_weights).
+Weights are then shared over cp ranks whose gradients each cover only their tokens: helpers.mark_shared names the
+groups over which those gradients are summed (`mark_for_reduction`, see mappings.init_ddp_model_and_reduction_hooks)
+and the groups over which copies must stay equal (`is_shared_mp`, helpers.init_params_for_shared_weights).
 `load_serial(module)` copies this rank's shard of a serial layer's weights (exact initialisation, tests).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distributed.helpers import mark_shared
 from distributed.mappings import all_gather_from_parallel_region, copy_to_parallel_region, reduce_from_parallel_region
 from utils import comm
-
-
-def _names(*names):
-    return [name for name in names if name is not None]
 
 
 class DistributedMatmul(nn.Module):
@@ -35,24 +32,24 @@ class DistributedMatmul(nn.Module):
             raise ValueError(f"features {inp_dim} -> {out_dim} do not divide over {inp_size} x {out_size} ranks")
         self.weight = nn.Parameter(torch.empty(out_dim // out_size, inp_dim // inp_size))
         nn.init.trunc_normal_(self.weight, std=0.02)
-        self.weight.is_shared_mp = _names(comm_act_name)
-        self.weight.mark_for_reduction = _names(comm_act_name)
+        mark_shared(self.weight, [comm_act_name], [comm_act_name])
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(1, 1, out_dim // out_size))
-            self.bias.is_shared_mp = _names(comm_inp_name, comm_act_name)
-            self.bias.mark_for_reduction = _names(comm_act_name)
+            mark_shared(self.bias, [comm_inp_name, comm_act_name], [comm_act_name])
 
-    def _shard(self, tensor, dim, name):
+    @staticmethod
+    def shard(tensor, dim, name):
+        """This rank's chunk (a view) of a serial `tensor` along `dim`, split over the group `name`."""
         return torch.chunk(tensor, comm.get_size(name), dim=dim)[comm.get_rank(name)]
 
     @torch.no_grad()
     def load_serial(self, linear):
         """This rank's shard of an nn.Linear's weight and bias."""
-        weight = self._shard(self._shard(linear.weight, 0, self.comm_out_name), 1, self.comm_inp_name)
+        weight = self.shard(self.shard(linear.weight, 0, self.comm_out_name), 1, self.comm_inp_name)
         self.weight.copy_(weight)
         if self.bias is not None:
-            self.bias.copy_(self._shard(linear.bias, 0, self.comm_out_name).view(1, 1, -1))
+            self.bias.copy_(self.shard(linear.bias, 0, self.comm_out_name).view(1, 1, -1))
 
     def forward(self, x):
         x = copy_to_parallel_region(x, self.comm_out_name)
@@ -130,8 +127,7 @@ class DistributedLayerNorm(nn.Module):
         self.norm = nn.LayerNorm(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                                  device=device, dtype=dtype)
         for param in self.norm.parameters():
-            param.is_shared_mp = _names(comm_tp_name, comm_cp_name)
-            param.mark_for_reduction = _names(comm_cp_name)
+            mark_shared(param, [comm_tp_name, comm_cp_name], [comm_cp_name])
 
     @torch.no_grad()
     def load_serial(self, layer_norm):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed.helpers import _gather, _reduce, _reduce_scatter, _split, compute_split_shapes
+from distributed.helpers import compute_split_shapes, gather, reduce, reduce_scatter, split
 from utils import comm
 
 
@@ -22,7 +22,7 @@ class _CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce(grad, ctx.name), None
+        return reduce(grad, ctx.name), None
 
 
 class _ReduceFromParallelRegion(torch.autograd.Function):
@@ -30,7 +30,7 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, name):
-        return _reduce(x, name)
+        return reduce(x, name)
 
     @staticmethod
     def backward(ctx, grad):
@@ -44,11 +44,11 @@ class _ScatterToParallelRegion(torch.autograd.Function):
     def forward(ctx, x, dim, name):
         ctx.dim, ctx.name = dim, name
         ctx.shapes = compute_split_shapes(x.shape[dim], comm.get_size(name))
-        return _split(x, dim, name)
+        return split(x, dim, name)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None
+        return gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None
 
 
 class _GatherFromParallelRegion(torch.autograd.Function):
@@ -57,11 +57,11 @@ class _GatherFromParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, shapes, name):
         ctx.dim, ctx.name = dim, name
-        return _gather(x, dim, shapes, name)
+        return gather(x, dim, shapes, name)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.name), None, None, None
+        return split(grad, ctx.dim, ctx.name), None, None, None
 
 
 class _AllGatherFromParallelRegion(torch.autograd.Function):
@@ -71,25 +71,11 @@ class _AllGatherFromParallelRegion(torch.autograd.Function):
     def forward(ctx, x, dim, shapes, name):
         ctx.dim, ctx.name = dim, name
         ctx.shapes = shapes or [x.shape[dim]] * comm.get_size(name)
-        return _gather(x, dim, shapes, name)
+        return gather(x, dim, shapes, name)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
-
-
-class _ReduceScatterToParallelRegion(torch.autograd.Function):
-    """Forward: reduce-scatter (sum) along dim. Backward: all-gather of the gradient along dim."""
-
-    @staticmethod
-    def forward(ctx, x, dim, shapes, name):
-        ctx.dim, ctx.name = dim, name
-        ctx.shapes = shapes or compute_split_shapes(x.shape[dim], comm.get_size(name))
-        return _reduce_scatter(x, dim, ctx.shapes, name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
+        return reduce_scatter(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
 
 
 def _active(name):
@@ -124,12 +110,6 @@ def gather_from_parallel_region(x, dim, shapes, comm_name):
 def all_gather_from_parallel_region(x, dim, shapes, comm_name):
     """All-gather along `dim` forward; reduce-scatter (sum) of the gradient backward (keys and values over cp)."""
     return _AllGatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
-
-
-@torch.compiler.disable
-def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
-    """Reduce-scatter (sum) along `dim` forward; all-gather of the gradient backward."""
-    return _ReduceScatterToParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
 def _all_reduce_in_place(grads, name):

@@ -8,7 +8,7 @@ Gathering is collective: every rank of the model-parallel group calls these func
 """
 import torch
 
-from distributed.helpers import _gather
+from distributed.helpers import gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
 from utils import comm
 from utils.checkpoint import load_model_state
@@ -35,11 +35,11 @@ def to_serial(model, name, tensor):
     if not isinstance(module, DistributedMatmul):
         return tensor.cpu()
     if attr == "weight":
-        tensor = _gather(tensor, 0, None, module.comm_out_name) if comm.get_size(module.comm_out_name) > 1 else tensor
-        tensor = _gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
+        tensor = gather(tensor, 0, None, module.comm_out_name) if comm.get_size(module.comm_out_name) > 1 else tensor
+        tensor = gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
         return tensor.cpu()
     if comm.get_size(module.comm_out_name) > 1:
-        tensor = _gather(tensor, 2, None, module.comm_out_name)
+        tensor = gather(tensor, 2, None, module.comm_out_name)
     return tensor.reshape(-1).cpu()
 
 
@@ -48,8 +48,8 @@ def from_serial(model, name, tensor):
     module, attr = _owner(model, name)
     if not isinstance(module, DistributedMatmul):
         return tensor
-    shard = module._shard(tensor, 0, module.comm_out_name)
-    return module._shard(shard, 1, module.comm_inp_name) if attr == "weight" else shard.reshape(1, 1, -1)
+    shard = module.shard(tensor, 0, module.comm_out_name)
+    return module.shard(shard, 1, module.comm_inp_name) if attr == "weight" else shard.reshape(1, 1, -1)
 
 
 def serial_state_dict(model):

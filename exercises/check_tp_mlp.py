@@ -93,8 +93,7 @@ def _worker(rank, nproc, port, module_names, queue):
     dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=nproc, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     try:
-        comm._groups.clear()
-        comm._groups["tp"] = dist.new_group(list(range(nproc)))  # tensor parallelism over every rank
+        comm.init({"tp": nproc})  # the named groups on this process group: tensor parallelism over every rank
         results = {}
         for module_name in module_names:
             errors = _compare(module_name, device)
@@ -105,10 +104,7 @@ def _worker(rank, nproc, port, module_names, queue):
         if rank == 0:
             queue.put(results)
     finally:
-        dist.destroy_process_group()
-        # drop our reference too: a group still referenced keeps gloo's threads alive until the interpreter
-        # exits, where their destructors may abort the process ("terminate called without an active exception")
-        comm._groups.clear()
+        comm.destroy()  # forgets the named groups too (a group still referenced keeps gloo's threads alive)
 
 
 def _validate(nproc):

@@ -2,16 +2,15 @@
 
 Encoder: stride-2 convolutions (kernel 4) with LeakyReLU, 5 levels (6 with `full_scale`). Decoder: stride-2
 transposed convolutions with ReLU, each fed [upsampled, encoder feature] concatenated along channels; the last
-transposed convolution returns to the input resolution and a tanh bounds the output to (-1, 1).
+transposed convolution returns to the input resolution and a tanh bounds the output to (-1, 1). Its loss is
+l1_rho_loss in utils/loss.py (`loss: 'l1_rho'`).
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from utils.errors import UserError
 
 DEFAULT_WEIGHT_INIT = {"conv_init": "normal", "conv_scale": 0.02, "conv_bias": 0.0}
-RHO_LOG_SCALE = 14.0  # Hydro channel 0 holds log(rho) / 14: exp(14 * x) is the physical density
 
 
 def down_conv(in_channels, out_channels):
@@ -101,17 +100,3 @@ class UNet(nn.Module):
         x = torch.cat([self.conv_up3(x), d2], dim=1)
         x = torch.cat([self.conv_up2(x), d1], dim=1)
         return torch.tanh(self.conv_last(x))
-
-
-def loss_func(gen, tar, lambda_rho):
-    """Mean |gen - tar| over all elements, plus lambda_rho * mean |rho_gen - rho_tar| on channel 0.
-
-    rho = exp(14 * x) is the physical density of Hydro channel 0; its term is averaged over the channel-0
-    elements only (upstream's TorchScript variant averaged it over all 5 channels, making it 5x smaller).
-    """
-    loss = F.l1_loss(gen, tar)
-    if lambda_rho != 0:
-        rho_gen = torch.exp(RHO_LOG_SCALE * gen[:, 0])
-        rho_tar = torch.exp(RHO_LOG_SCALE * tar[:, 0])
-        loss = loss + lambda_rho * torch.mean(torch.abs(rho_gen - rho_tar))
-    return loss

@@ -1,7 +1,7 @@
 """Vision Transformer for ERA5: patchify 20-channel maps, pre-norm transformer blocks, unpatchify.
 
 Shapes follow the NERSC tutorial's ViT: no class token, learned position embedding, separate
-q/k/v projections, fused scaled-dot-product attention, MLP ratio 4, head back to patches.
+q/k/v projections, fused scaled-dot-product attention, MLP ratio 4 (MLP_RATIO), head back to patches.
 
 With tensor (tp) or context (cp) parallelism (process groups "tp", "cp" of utils.comm larger than one rank)
 each block's attention, MLP and norms are the distributed layers of distributed/layers.py, holding this rank's
@@ -12,11 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed.helpers import compute_split_shapes
+from distributed.helpers import compute_split_shapes, mark_shared
 from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
 from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
 from utils import comm
 from utils.errors import UserError
+
+MLP_RATIO = 4.0  # each block's MLP hidden width over embed_dim (the tutorial's ViT); a config may set mlp_ratio
 
 
 class DropPath(nn.Module):
@@ -73,7 +75,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim, num_heads, mlp_ratio=4.0, drop=0.0, attn_drop=0.0, drop_path=0.0):
+    def __init__(self, dim, num_heads, mlp_ratio=MLP_RATIO, drop=0.0, attn_drop=0.0, drop_path=0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop)
@@ -99,7 +101,7 @@ class PatchEmbed(nn.Module):
 
 class VisionTransformer(nn.Module):
     def __init__(self, img_size, patch_size, in_chans, out_chans, embed_dim, depth, num_heads,
-                 mlp_ratio=4.0, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0):
+                 mlp_ratio=MLP_RATIO, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
@@ -141,7 +143,7 @@ class VisionTransformer(nn.Module):
         # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
         # (upstream left them unreduced and the copies drifted apart)
         for param in self.norm.parameters():
-            param.is_shared_mp, param.mark_for_reduction = ["tp-cp"], ["cp"]
+            mark_shared(param, ["tp-cp"], ["cp"])
 
     @staticmethod
     def _init_weights(module):
@@ -180,7 +182,8 @@ def check_vit_params(params):
         raise UserError(f"dropout {params.dropout} with context parallelism (cp = {cp}) would draw different masks "
                         "for the chunks of one sample on each cp rank; set dropout: 0 for cp > 1")
     if tp * cp > 1:  # heads and MLP width split over tp, tokens over cp
-        comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=4 * params.embed_dim,
+        mlp_hidden = int(params.embed_dim * params.get("mlp_ratio", MLP_RATIO))  # as Block computes it
+        comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=mlp_hidden,
                            seq_len=(img_h // params.patch_size) * (img_w // params.patch_size))
 
 
@@ -191,4 +194,5 @@ def ViT(params):
     return VisionTransformer(img_size=params.img_size, patch_size=params.patch_size,
                              in_chans=params.n_in_channels, out_chans=params.n_out_channels,
                              embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
-                             drop_rate=dropout, attn_drop_rate=dropout, drop_path_rate=dropout)
+                             mlp_ratio=params.get("mlp_ratio", MLP_RATIO), drop_rate=dropout, attn_drop_rate=dropout,
+                             drop_path_rate=dropout)

@@ -2,8 +2,9 @@
 
 Tests not marked `gpu` run on the CPU also on a GPU node (`make test` there checks what it checks here): CUDA is
 hidden from them and from the commands they start. TESTS_KEEP_CUDA=1 leaves CUDA visible (the twin in
-tests/test_gpu_presence.py shows what then fails).
+tests/test_gpu_presence.py shows what then fails). Tests not marked `multiprocess` may not start processes.
 """
+import multiprocessing.process
 import os
 import socket
 import subprocess
@@ -12,28 +13,37 @@ import sys
 import pytest
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from sample_data.era5 import write_era5
 
-from utils.sample_data.era5 import write_era5  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pyproject.toml puts it on sys.path
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one, run by `make gpu-check`")
-    config.addinivalue_line("markers", "compat: also run on the container's PyTorch (`make test-compat`)")
+class StartsAProcess(RuntimeError):
+    """A test not marked `multiprocess` started a process (`make test-fast` would then not be fast)."""
+
+
+def refuse_processes(patch, item):
+    def refuse(self, *args, **kwargs):
+        self._child_created = False  # for Popen.__del__
+        raise StartsAProcess(f"{item.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+    patch.setattr(subprocess.Popen, "__init__", refuse)
+    patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A test not marked gpu sees no CUDA, in this process and in the commands it starts, from the set-up of its
-    fixtures (module-scoped ones too) to their teardown: the device every script chooses, DALI's device_id and the
-    MFU's peak are then the CPU's, as on the machines CI runs on."""
-    if item.get_closest_marker("gpu") is not None or os.environ.get("TESTS_KEEP_CUDA") == "1":
-        yield
-        return
+    """From the set-up of a test's fixtures (module-scoped ones too) to their teardown:
+    - a test not marked gpu sees no CUDA, in this process and in the commands it starts: the device every script
+      chooses, DALI's device_id and the MFU's peak are then the CPU's, as on the machines CI runs on
+      (TESTS_KEEP_CUDA=1 leaves CUDA visible);
+    - a test not marked multiprocess cannot start a process (training ranks, commands, loader workers), so that
+      `make test-fast` (-m "not multiprocess") stays fast."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        patch.setattr(torch.cuda, "is_available", lambda: False)
+        if item.get_closest_marker("gpu") is None and os.environ.get("TESTS_KEEP_CUDA") != "1":
+            patch.setenv("CUDA_VISIBLE_DEVICES", "")
+            patch.setattr(torch.cuda, "is_available", lambda: False)
+        if item.get_closest_marker("multiprocess") is None:
+            refuse_processes(patch, item)
         yield
 
 

@@ -20,6 +20,7 @@ def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
     assert results["mfu"] == pytest.approx(results["achieved_tflops"] / results["matmul_peak_tflops"])
 
 
+@pytest.mark.multiprocess
 def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, capsys):
     """Two variants on the tiny ViT: each must train (not resume the other's finished run) and be reported."""
     from benchmarks import bench_train
@@ -61,6 +62,7 @@ def test_gpu_check_says_which_gpu_tests_need_more_gpus_and_how_to_run_them(monke
     assert alone["skipped_for_more_gpus"] == 0 and "need more GPUs" not in alone["said"]
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
     """The same script on the tiny configs: gpu tests (all skipped here), data, the three stage benchmarks."""
     from benchmarks import gpu_check

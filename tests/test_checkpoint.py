@@ -35,6 +35,7 @@ def run(era5_dir, expdir, yaml, *flags):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_resume_equals_uninterrupted(era5_dir, tmp_path):
     """40 + 40 iterations with a restart (mid-epoch: 64 steps per epoch) == 80 in one go."""
     yaml = dropout_yaml(tmp_path)
@@ -60,6 +61,7 @@ def points(events):
             for e in events.Scalars(tag)}
 
 
+@pytest.mark.multiprocess
 def test_resume_without_dropout_rng_would_differ(era5_dir, tmp_path):
     """The comparison above can fail: restarting from scratch instead of resuming gives other weights."""
     yaml = dropout_yaml(tmp_path)

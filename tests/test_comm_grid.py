@@ -143,14 +143,14 @@ def test_single_process_init(monkeypatch):
     """Without WORLD_SIZE every size is 1 and every rank 0; tp=2 on one process is refused before anything
     starts. A failure: init no longer works for a single process (train.py on a laptop)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert comm.init(rendezvous_timeout=5, tp=1, cp=1, order="cp-tp-dp") == (1, 0, 0)
+    assert comm.init({"tp": 1, "cp": 1, "order": "cp-tp-dp"}, rendezvous_timeout=5) == (1, 0, 0)
     assert comm.get_grid() == {"dp": 1, "tp": 1, "cp": 1, "order": "cp-tp-dp-pp"}
     assert [comm.get_size(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [1] * 7
     assert [comm.get_rank(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [0] * 7
     with pytest.raises(UserError, match="does not divide the world size 1"):
-        comm.init(rendezvous_timeout=5, tp=2)
+        comm.init({"tp": 2}, rendezvous_timeout=5)
     with pytest.raises(UserError, match="order 'tp-ep' names 'ep'"):
-        comm.init(rendezvous_timeout=5, order="tp-ep")
+        comm.init({"order": "tp-ep"}, rendezvous_timeout=5)
 
 
 # --- the groups comm.init builds on 4 gloo processes ---------------------------------------------------------
@@ -166,7 +166,7 @@ def _report_groups(rank, port, results):
     from utils import comm
     report = {}
     for order in ORDERS:  # the second init rebuilds the groups on the same process group
-        comm.init(rendezvous_timeout=30, tp=2, cp=2, order=order)
+        comm.init({"tp": 2, "cp": 2, "order": order}, rendezvous_timeout=30)
         members = {name: dist.get_process_group_ranks(comm.get_group(name)) for name in GROUP_TYPES}
         positions = {name: (comm.get_size(name), comm.get_rank(name)) for name in GROUP_TYPES}
         tp_sum = comm.all_reduce_sum(torch.tensor([float(rank)]), "tp").item()
@@ -175,6 +175,7 @@ def _report_groups(rank, port, results):
     comm.destroy()
 
 
+@pytest.mark.multiprocess
 def test_init_builds_the_groups_of_each_order():
     """4 gloo ranks, tp=2, cp=2: each rank holds, under each name, the RankGenerator group that contains it,
     knows its place in it, and an all-reduce over "tp" sums over its tp partners only (1 = 0+1 with tp-cp-dp,
@@ -202,6 +203,7 @@ def _stdout(notebook):
                    for output in cell.get("outputs", []) if output.get("name") == "stdout")
 
 
+@pytest.mark.multiprocess
 def test_notebook_runs_and_prints_the_dp_groups():
     """utils/check_rank_generator.ipynb runs top to bottom in a fresh kernel (this venv's Python), prints the
     dp groups of its 32-rank example, and its saved outputs are those of a fresh run. A failure: the notebook

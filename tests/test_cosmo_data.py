@@ -1,7 +1,7 @@
 """Cosmology sample data, the .npy converter and the crop dataset.
 
-Failures point to: utils/sample_data/cosmo.py (file layout, dtype, determinism, overwrite guard, value ranges),
-utils/convert_to_npy.py (channels-last copies, CLI errors), utils/data_loader_cosmo.py (crop rule, crop_plan as a
+Failures point to: sample_data/cosmo.py (file layout, dtype, determinism, overwrite guard, value ranges),
+sample_data/convert_to_npy.py (channels-last copies, CLI errors), loaders/cosmo.py (crop rule, crop_plan as a
 function of (seed, epoch, index) and CropSampler's keys: crops differ per rank and epoch, not per worker count;
 deterministic validation, the rotation group, input/target getting the same transform, the .npy reads of the
 dali-lowmem mode).
@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import utils.convert_to_npy as convert_to_npy
+import sample_data.convert_to_npy as convert_to_npy
+from loaders import get_data_loader
+from loaders.cosmo import ROTATIONS, CosmoDataset, CropPlan, crop_plan, rotate
+from sample_data.common import SampleDataError
+from sample_data.cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
 from utils.cli import apply_overrides, training_parser
-from utils.data_loader import get_data_loader
-from utils.data_loader_cosmo import ROTATIONS, CosmoDataset, CropPlan, crop_plan, rotate
 from utils.errors import UserError
-from utils.sample_data.common import SampleDataError
-from utils.sample_data.cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
 from utils.YParams import YParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -152,10 +152,11 @@ def test_cosmo_subcommand(tmp_path, capsys):
 
 def _convert_cli(*args, cwd=REPO_ROOT):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    return subprocess.run([sys.executable, "-m", "utils.convert_to_npy", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "sample_data.convert_to_npy", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
 
 
+@pytest.mark.multiprocess
 def test_converter_cli_end_to_end(cosmo_dir, tmp_path):
     source = cosmo_dir / VALID_FILE
     result = _convert_cli("-i", str(source), "-d", "Nbody", "-l", "Hydro", "-o", str(tmp_path / "out"))
@@ -174,6 +175,7 @@ def test_converter_cli_end_to_end(cosmo_dir, tmp_path):
     (["-i", "missing.h5", "-d", "Nbody", "-l", "Hydro"], "input file 'missing.h5' not found"),
     (["-d", "Nbody", "-l", "Gas"], "has no dataset 'Gas'"),
 ])
+@pytest.mark.multiprocess
 def test_converter_cli_bad_input_is_one_line(cosmo_dir, field_args, message):
     if "-i" not in field_args:
         field_args = ["-i", str(cosmo_dir / VALID_FILE), *field_args]
@@ -292,6 +294,7 @@ def _loader_params(coord_file, dp_size, dp_rank, workers):
     return params
 
 
+@pytest.mark.multiprocess
 def test_ranks_and_epochs_draw_different_crops_and_workers_change_nothing(coord_file):
     def corners(params, epoch):
         loader = get_data_loader(params, train=True)
@@ -360,7 +363,7 @@ def test_input_and_target_get_the_same_crop_and_transform(coord_file, flips):
 @pytest.mark.parametrize("mode", ["inmem", "lowmem"])
 def test_missing_file_is_a_user_error(tmp_path, mode):
     params = _params(tmp_path / "nope.h5", data_loader_config=mode)
-    with pytest.raises(UserError, match=r"nope.h5' not found; generate sample data with `python -m utils.sample_data"):
+    with pytest.raises(UserError, match=r"nope.h5' not found; generate sample data with `python -m sample_data"):
         CosmoDataset(params, True)
 
 
@@ -398,7 +401,7 @@ def test_unknown_loader_mode_is_a_user_error(cosmo_dir, mode):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", r"_label.npy' not found; the DALI loader reads the channels-last .npy copies: write them with "
-                r"`python -m utils.convert_to_npy -i FILE.h5 -d Nbody -l Hydro -o DIR`"),
+                r"`python -m sample_data.convert_to_npy -i FILE.h5 -d Nbody -l Hydro -o DIR`"),
     ("channels_first", r"holds float32 \(4, 16, 16, 16\), expected float32 \(L, L, L, 4\) channels-last"),
     ("truncated", "_data.npy' cannot be read"),
     ("empty", "_data.npy' cannot be read"),  # what an interrupted convert_to_npy leaves

@@ -1,10 +1,11 @@
-"""ERA5 dataset: pairing, boundary rule, normalisation, limits, bad files. Failures point to utils/data_loader.py."""
+"""ERA5 dataset: pairing, boundary rule, normalisation, limits, bad files. Failures point to loaders/era5.py."""
 import h5py
 import numpy as np
 import pytest
 import torch
 
-from utils.data_loader import ERA5Dataset, ResumableSampler
+from loaders.common import ResumableSampler
+from loaders.era5 import ERA5Dataset
 from utils.errors import UserError
 from utils.YParams import YParams
 

@@ -3,8 +3,8 @@
 Same sampler, so the same samples in the same order: every batch of an epoch equal within float32 rounding (DALI
 normalises by multiplying with 1/std), for training and validation, shard by shard on 2 data-parallel ranks, with
 0 and 2 worker processes; a mid-epoch resume and the step-0 batch; a training run with either loader gives the
-same losses. A failure points to utils/data_loader_dali.py (order, epoch length, resume, padding) or to the
-interface it shares with utils/data_loader.py.
+same losses. A failure points to loaders/dali_era5.py (order) or loaders/common.py (epoch length, resume, padding: the
+interface it shares with the PyTorch loader).
 """
 import os
 import sys
@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from loaders import get_data_loader
 from utils.cli import apply_overrides, training_parser
-from utils.data_loader import get_data_loader
 from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -37,6 +37,7 @@ def epoch_batches(loader_, epoch, skip=0):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.multiprocess
 def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
     seen = []
     for rank in (0, 1):
@@ -59,6 +60,7 @@ def test_dali_returns_the_pytorch_batches_on_each_shard(era5_dir, workers):
         assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 256  # shards disjoint and covering
 
 
+@pytest.mark.multiprocess
 def test_dali_workers_start_after_the_step0_batch_was_read(era5_dir):
     """first_batch() opens HDF5 files in the main process; the pipeline's spawned workers must not get them
     (h5py handles cannot be pickled), and validation passes reuse their pipeline."""

@@ -1,5 +1,5 @@
 """DDP on 2 gloo processes == 1 process on the same global batch. Failures point to train.py's DDP
-setup, the sampler sharding in utils/data_loader.py, or utils/comm.py."""
+setup, the sampler sharding in loaders/common.py, or utils/comm.py."""
 import os
 
 import pytest
@@ -28,12 +28,14 @@ def single(era5_dir, tmp_path_factory):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_two_ranks_match_one_process(era5_dir, tmp_path, single):
     two, log = trained_weights(era5_dir, tmp_path, 2)
     assert max_difference(single, two) < TOLERANCE
     assert log.count("DONE ---- rank 0") == 1 and "DONE ---- rank 1" not in log  # rank 0 logs alone
 
 
+@pytest.mark.multiprocess
 def test_without_gradient_sync_the_ranks_drift(era5_dir, tmp_path, single):
     """--noddp: each rank steps on its half batch, so the comparison above is able to fail."""
     two, _ = trained_weights(era5_dir, tmp_path, 2, "--noddp")

@@ -46,16 +46,16 @@ def rel_error(value, reference, floor=0.0):
 def _compare(serial, distributed, x, grad_out, cp_shapes):
     """Relative errors of output, input gradient and each weight gradient; also the largest weight-gradient
     error without the cp reduction (to show the comparison can fail)."""
-    from distributed.helpers import _gather, _reduce, _split
+    from distributed.helpers import gather, reduce, split
     from utils import comm
     x_serial = x.clone().requires_grad_()
     out = serial(x_serial)
     out.backward(grad_out)
-    x_local = _split(x, 1, "cp").clone().requires_grad_()
+    x_local = split(x, 1, "cp").clone().requires_grad_()
     out_local = distributed(x_local)
-    out_local.backward(_split(grad_out, 1, "cp"))
-    errors = {"output": rel_error(_gather(out_local.detach(), 1, cp_shapes, "cp"), out.detach()),
-              "input grad": rel_error(_gather(x_local.grad, 1, cp_shapes, "cp"), x_serial.grad)}
+    out_local.backward(split(grad_out, 1, "cp"))
+    errors = {"output": rel_error(gather(out_local.detach(), 1, cp_shapes, "cp"), out.detach()),
+              "input grad": rel_error(gather(x_local.grad, 1, cp_shapes, "cp"), x_serial.grad)}
     unreduced = 0.0
     reference = {name: p.grad for name, p in serial.named_parameters()}
     # relative to at least 1% of the layer's largest gradient: the key bias's gradient is zero in exact arithmetic
@@ -65,7 +65,7 @@ def _compare(serial, distributed, x, grad_out, cp_shapes):
         grad = param.grad
         for group in param.mark_for_reduction:
             unreduced = max(unreduced, rel_error(grad, _shard_like(reference[_serial_name(name)], param, name), floor))
-            grad = _reduce(grad, group)
+            grad = reduce(grad, group)
         errors[name] = rel_error(grad, _shard_like(reference[_serial_name(name)], param, name), floor)
     return errors, unreduced if comm.get_size("cp") > 1 else None
 
@@ -131,11 +131,13 @@ def check(results):
                 assert unreduced > 100 * TOLERANCE, (rank, key, unreduced)
 
 
+@pytest.mark.multiprocess
 def test_tp_and_cp_on_two_ranks_match_the_serial_layers():
     # (tp, cp, sequence length): tp alone; cp with an even and an uneven split
     check(run_layouts(2, [(2, 1, 8), (1, 2, 8), (1, 2, 9)]))
 
 
+@pytest.mark.multiprocess
 def test_tp_times_cp_on_four_ranks_matches_the_serial_layers():
     # 10 tokens over cp=4 split [3, 3, 3, 1] (uneven, gloo); tp=2 x cp=2 with an odd length; tp=4
     check(run_layouts(4, [(1, 4, 10), (2, 2, 9), (4, 1, 8)]))
@@ -192,6 +194,7 @@ def _dtensor_cross_check(rank, world, port, results):
     comm.destroy()
 
 
+@pytest.mark.multiprocess
 def test_mappings_and_tp_mlp_agree_with_dtensor():
     results = mp.Manager().dict()
     mp.spawn(_dtensor_cross_check, args=(2, free_port(), results), nprocs=2)

@@ -10,7 +10,9 @@ import os
 import re
 import subprocess
 
-from conftest import REPO_ROOT
+import pytest
+
+from tests.conftest import REPO_ROOT
 
 DOCKERFILE = os.path.join(REPO_ROOT, "docker", "Dockerfile")
 FILTER = os.path.join(REPO_ROOT, "docker", "image_requirements.sh")
@@ -33,6 +35,7 @@ def image_requirements(path):
     return result.stdout.splitlines()
 
 
+@pytest.mark.multiprocess
 def test_the_image_installs_requirements_txt_minus_what_ngc_provides():
     with open(os.path.join(REPO_ROOT, "requirements.txt")) as requirements:
         lines = requirements.read().splitlines()
@@ -44,6 +47,7 @@ def test_the_image_installs_requirements_txt_minus_what_ngc_provides():
     assert set(installed) <= set(kept)  # lines pass unchanged: versions pinned in requirements.txt stay pinned
 
 
+@pytest.mark.multiprocess
 def test_the_filter_matches_whole_names_only(tmp_path):
     path = tmp_path / "requirements.txt"
     path.write_text("torch==2.14.1\nTorchVision>=0.2  # comment\ntorchinfo\ntorch-tb-profiler\n"

@@ -27,12 +27,14 @@ def errors_on_two_ranks():
     return check_modules([SOLUTION, EXERCISE], 2)
 
 
+@pytest.mark.multiprocess
 def test_solution_matches_the_serial_mlp_on_two_ranks(errors_on_two_ranks):
     errors = errors_on_two_ranks[SOLUTION]
     assert set(errors) == KEYS
     assert max(errors.values()) <= TOLERANCE, errors
 
 
+@pytest.mark.multiprocess
 def test_unmodified_exercise_fails_the_check_on_two_ranks(errors_on_two_ranks):
     errors = errors_on_two_ranks[EXERCISE]
     # wrong output (no sum over the ranks), wrong input gradient (no sum backward), and rank 1's weight gradients
@@ -46,6 +48,7 @@ def test_sizes_that_cannot_work_are_refused_before_spawning(nproc):
         check(SOLUTION, nproc)
 
 
+@pytest.mark.multiprocess
 def test_command_line_prints_the_tutorial_lines_and_passes():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "exercises.check_tp_mlp", "--solution", "--nproc", "2"],

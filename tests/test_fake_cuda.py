@@ -34,11 +34,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, Unsupporte
 
 from distributed.helpers import init_params_for_shared_weights
 from distributed.layers import DistributedMatmul
+from loaders.images import sample_shape as image_sample_shape
 from networks import get_model
 from tests.conftest import REPO_ROOT
 from utils import comm, metrics
 from utils.cli import apply_overrides, training_parser
-from utils.data_loader_images import sample_shape as image_sample_shape
 from utils.loss import get_loss
 from utils.metrics import get_train_metrics, get_valid_metrics
 from utils.training import EpochMeter, set_train_mode, validate
@@ -217,7 +217,7 @@ def fake_cuda_step(params, model, monkeypatch, change_model=None, loss_fn=None, 
     batch = cpu_batch(params)
     meter = EpochMeter(torch.device("cuda"), loader=None)
     with mode:
-        set_train_mode(fake_model, params.get("freeze_bn", False))
+        set_train_mode(fake_model, params)
         inp, tar = to_device(*batch)
         with autocast:
             gen = fake_model(inp)
@@ -347,7 +347,7 @@ def tp_cp_grid(request):
     grid = dict(comm._grid)
     dist.init_process_group("fake", store=FakeStore(), rank=getattr(request, "param", 0), world_size=4)
     try:
-        comm.init(tp=2, cp=2, order="tp-cp-dp")
+        comm.init({"tp": 2, "cp": 2, "order": "tp-cp-dp"})
         assert [comm.get_size(name) for name in ("tp", "cp", "dp", "tp-cp")] == [2, 2, 1, 4]
         try:
             with FakeTensorMode():

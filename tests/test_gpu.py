@@ -28,7 +28,7 @@ def test_train_on_gpu_with_bf16_fused_and_profiler_window(era5_dir, tmp_path, mo
 
 
 def test_unet_fp16_fused_benchmark_on_gpu(tmp_path, monkeypatch):
-    from utils.sample_data.cosmo import write_cosmo
+    from sample_data.cosmo import write_cosmo
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setenv("BENCHY_OUTPUT", str(tmp_path / "bench"))
     data = write_cosmo(tmp_path / "cosmo", verbose=False)
@@ -40,7 +40,7 @@ def test_unet_fp16_fused_benchmark_on_gpu(tmp_path, monkeypatch):
 
 
 def test_resnet_dataparallel_channels_last_fp16_on_gpu(tmp_path, monkeypatch):
-    from utils.sample_data.images import write_cifar100
+    from sample_data.images import write_cifar100
     monkeypatch.chdir(REPO_ROOT)
     data = write_cifar100(tmp_path / "cifar", train_per_class=4, test_per_class=1, verbose=False)
     train.main(["--yaml_config", "config/ResNet50.yaml", "--config", "tiny", "--data_dir", str(data), "--expdir",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import as_spawned_rank, free_port
-from utils import comm, compat, flops
+from utils import comm, compat, flops, rendezvous
 from utils.errors import UserError
 from utils.training import AutocastForward
 
@@ -75,13 +75,13 @@ def _tp2_rank(rank, world, port, found):
     comm hook's averaging and without it (the weight no longer marked as shared)."""
     as_spawned_rank(rank, world, port)
     from distributed.grad_scaler import ModelParallelGradScaler
-    from distributed.helpers import init_params_for_shared_weights
+    from distributed.helpers import init_params_for_shared_weights, mark_shared
     from distributed.mappings import init_ddp_model_and_reduction_hooks
     from networks import get_model
     from utils.loss import get_loss
     from utils.YParams import YParams
     torch.set_num_threads(1)
-    comm.init(rendezvous_timeout=60, tp=2)
+    comm.init({"tp": 2}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")
     loss_fn = get_loss(params)
     generator = torch.Generator().manual_seed(1)
@@ -92,7 +92,7 @@ def _tp2_rank(rank, world, port, found):
         model = get_model(params)
         init_params_for_shared_weights(model)
         if not shared_embedding:
-            model.patch_embed.proj.weight.is_shared_mp = []
+            mark_shared(model.patch_embed.proj.weight, [])  # as if each rank held its own
         return model, init_ddp_model_and_reduction_hooks(model, None, None)
 
     out = {}
@@ -132,6 +132,7 @@ def tp2_results():
     return dict(found)
 
 
+@pytest.mark.multiprocess
 def test_an_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tp2_results):
     group = [tp2_results[rank]["group"] for rank in (0, 1)]
     assert group[0] == group[1] == {"stepped": False, "scale": 2.0**7}
@@ -139,6 +140,7 @@ def test_an_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tp2_results):
     assert plain[0] == {"stepped": True, "scale": 2.0**8} and plain[1] == {"stepped": False, "scale": 2.0**7}
 
 
+@pytest.mark.multiprocess
 def test_copies_of_a_replicated_weight_stay_equal_when_their_gradients_round_differently(tp2_results):
     assert tp2_results[0]["averaged"] and tp2_results[1]["averaged"]
     assert not tp2_results[0]["not averaged"]  # the twin: the copies part
@@ -150,7 +152,7 @@ def claim_gpus(gpus, host="node1"):
 
     def rank(index):
         try:
-            comm.check_one_rank_per_gpu(store, len(gpus), gpus[index], timeout=30, host=host)
+            rendezvous.check_one_rank_per_gpu(store, len(gpus), gpus[index], timeout=30, host=host)
             said[index] = "ok"
         except UserError as err:
             said[index] = str(err)

@@ -27,12 +27,14 @@ def pytest_with_a_fake_gpu(keep_cuda):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_device_choosing_tests_pass_where_torch_sees_a_gpu():
     result = pytest_with_a_fake_gpu(keep_cuda=False)
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"{len(DEVICE_CHOOSING_TESTS)} passed" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_twin_with_cuda_left_visible_they_fail():
     result = pytest_with_a_fake_gpu(keep_cuda=True)
     assert result.returncode == 1, result.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""Tests for utils/sample_data/images.py and utils/data_loader_images.py: a failure here means the
+"""Tests for sample_data/images.py and loaders/images.py: a failure here means the
 generated CIFAR-100 / ImageFolder data no longer match the real on-disk formats, are not reproducible
 or not learnable, the md5 check accepts corrupted files (or refuses verified ones), the datasets yield
 wrong tensors or labels, or a bad input ends in a traceback instead of a one-line UserError."""
@@ -15,10 +15,9 @@ import torch
 import torchvision
 from PIL import Image
 
-from utils.data_loader_images import CIFAR100_MANIFEST, cifar100_files_verified, get_image_dataset, sample_shape
-from utils.errors import ArgumentParser, UserError
-from utils.sample_data.common import SampleDataError
-from utils.sample_data.images import (
+from loaders.images import CIFAR100_MANIFEST, cifar100_files_verified, get_image_dataset, sample_shape
+from sample_data.common import SampleDataError
+from sample_data.images import (
     CIFAR100_COARSE_NAMES,
     CIFAR100_FINE_NAMES,
     FINE_TO_COARSE,
@@ -30,6 +29,7 @@ from utils.sample_data.images import (
     write_cifar100,
     write_imagefolder,
 )
+from utils.errors import ArgumentParser, UserError
 from utils.YParams import YParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -271,7 +271,7 @@ def test_missing_cifar_folder(tmp_path, monkeypatch):
     attempted although the config or the caller forbids it, or a failed download is a traceback."""
     params = cifar_params(tmp_path / "absent")
     with pytest.raises(UserError, match=r"CIFAR-100 not found in '.*absent'; generate sample data with "
-                                        r"`python -m utils.sample_data cifar100 --out data/cifar100`"):
+                                        r"`python -m sample_data cifar100 --out data/cifar100`"):
         get_image_dataset(params, train=True)
     params.download = True
     with pytest.raises(UserError, match="CIFAR-100 not found"):

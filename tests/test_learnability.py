@@ -1,14 +1,14 @@
 """The generated ERA5 data is learnable: brief ViT training beats persistence on the validation year.
 
-A failure points to utils/sample_data/era5.py (dynamics too weak or too noisy) or to the training loop.
+A failure points to sample_data/era5.py (dynamics too weak or too noisy) or to the training loop.
 """
 import os
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from sample_data.era5 import persistence_error
 from tests.conftest import REPO_ROOT
-from utils.sample_data.era5 import persistence_error
 
 
 def test_brief_training_beats_persistence(era5_dir, tmp_path, monkeypatch):

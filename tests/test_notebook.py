@@ -66,6 +66,7 @@ def _fetch_json(url, timeout=20, until=lambda value: True):
         time.sleep(0.2)
 
 
+@pytest.mark.multiprocess
 def test_notebook_starts_a_serving_tensorboard_and_stops_it(tmp_path, monkeypatch):
     """Run the notebook headless with $LOGDIR set to a folder holding one tiny run: it prints a localhost address
     where TensorBoard serves that folder and lists the run with its scalar tag; when the kernel shuts down the

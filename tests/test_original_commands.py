@@ -11,8 +11,8 @@ pipeline at the original sample size, with --local_batch_size 1 --num_data_worke
 
 A failure points to the command file (a stale line), to utils/cli.py or the scripts' flags (the command no longer
 parses or resolves), to config/ViT.yaml / config/UNet.yaml (a config no longer names a DALI loader), or to the
-DALI loaders' dispatch and construction (utils/data_loader.py, utils/data_loader_dali.py,
-utils/data_loader_dali_cosmo.py).
+DALI loaders' dispatch and construction (loaders/__init__.py, loaders/dali_era5.py,
+loaders/dali_cosmo.py).
 """
 import importlib
 import math
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
+from loaders import get_data_loader
+from sample_data.cosmo import write_cosmo
 from tests.conftest import REPO_ROOT
 from utils.cli import apply_overrides, training_parser
-from utils.data_loader import get_data_loader
-from utils.sample_data.cosmo import write_cosmo
 from utils.YParams import YParams, read_configs
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -83,8 +83,8 @@ def parse_with_the_scripts_parser(script, argv, monkeypatch):
     module = importlib.import_module(script[:-3])
     found = {}
 
-    def capturing_parser(description):
-        parser = training_parser(description)
+    def capturing_parser(description, **options):
+        parser = training_parser(description, **options)
         parse = parser.parse_args
 
         def parse_and_stop(args=None, namespace=None):

@@ -1,15 +1,25 @@
-"""Every command README shows still works: each `python`, `torchrun`, `sbatch` (and `nsys`, `srun`, `make`) line of
-its code blocks and inline code is parsed here, and
+"""Every command README.md and the docs/ pages show still works, and every link in them leads somewhere.
+
+Each `python`, `torchrun`, `sbatch` (and `nsys`, `srun`, `make`) line of their code blocks and inline code is
+parsed here, and
 
 - the script, module, submit script or make target exists;
 - the flags parse with the script's own argument parser (argparse stops right after parsing: nothing trains);
 - for the training scripts, the named config exists in the named YAML file;
 - torchrun / torch.distributed.launch options parse with torch's own launcher parser, and sbatch options are
-  ones sbatch has.
+  ones sbatch has;
+- `python -m pytest ...` (also `.venv/bin/python -m pytest ...`): the test paths it names exist;
+- inline text that only names a module (`python -m sample_data.convert_to_npy`, no arguments): the module exists.
 
-A failure names the README line and points to README.md (a stale command) or to the script whose flags changed.
+Every relative markdown link (`[text](path)`, images too) must point to an existing file, a `#anchor` into a
+markdown page to one of its headings, and README must link every docs/ page.
+
+A failure names the page and line (`docs/cluster.md:40`) and points to that page (a stale command or link) or to
+the script whose flags changed. Each check has a failing twin below, so a checker that stopped looking fails there.
 """
 import argparse
+import glob
+import importlib.util
 import os
 import re
 import runpy
@@ -23,15 +33,24 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 README = os.path.join(REPO_ROOT, "README.md")
+PAGES = (README, *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "*.md"))))  # the tutorial and its reference
 TRAINING_SCRIPTS = ("train.py", "train_mp.py", "train_graph.py", "train_mp_graphs.py")
 SBATCH_OPTIONS = {"-N", "--nodes", "-n", "--ntasks", "-t", "--time", "-A", "--account", "-q", "--qos",
                   "--reservation", "-J", "--job-name", "-o", "--output", "-C", "--constraint", "-G", "--gpus",
                   "--ntasks-per-node", "--gpus-per-node", "--gpus-per-task", "--cpus-per-task", "--image",
                   "--module", "-d", "--dependency", "--exclusive"}
 SBATCH_FLAGS = {"--exclusive"}  # options without a value
+PYTEST_OPTIONS_WITH_VALUE = {"-m", "-k", "-p", "-o", "-c", "-W", "-n", "--maxfail", "--durations", "--ignore",
+                             "--deselect", "--rootdir", "--basetemp", "--confcutdir", "--timeout"}
 COMMAND_WORDS = ("python", "python3", "torchrun", "sbatch", "srun", "nsys", "shifter", "make")
 RUNNERS = ("python", "python3", "torchrun")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # http:, https:, mailto:
+
+
+def page_name(path):
+    return os.path.relpath(path, REPO_ROOT).replace(os.sep, "/")
 
 
 class Parsed(Exception):
@@ -44,13 +63,15 @@ class Parsed(Exception):
 
 def readme_commands(text):
     """(line number, command string, fenced) of every command in fenced code blocks (fenced=True) and inline code
-    spans; a fenced line holding several commands (`a && b`, `a; b`) gives each."""
+    spans of a markdown page; a fenced line holding several commands (`a && b`, `a; b`) gives each, and an inline
+    span the text wraps over two lines is read whole (with the line it starts on)."""
     commands, in_block, pending, start = [], False, "", 0
+    open_span, span_start = None, 0  # an inline span the line ended inside of
     for number, line in enumerate(text.splitlines(), start=1):
         if line.lstrip().startswith("```"):
             if pending:  # a continuation the block ends
                 commands.append((start, pending, True))
-            in_block, pending = not in_block, ""
+            in_block, pending, open_span = not in_block, "", None
             continue
         if in_block:
             stripped = line.strip()
@@ -65,6 +86,16 @@ def readme_commands(text):
                 continue
             commands.extend((start, part, True) for part in _top_level_parts(stripped))
         else:
+            if open_span is not None:
+                if "`" not in line:
+                    open_span += " " + line.strip()
+                    continue
+                close = line.index("`")
+                commands.append((span_start, (open_span + " " + line[:close].strip()).strip(), False))
+                line, open_span = line[close + 1:], None
+            if line.count("`") % 2:
+                cut = line.rindex("`")
+                line, open_span, span_start = line[:cut], line[cut + 1:].strip(), number
             for span in re.findall(r"`([^`]+)`", line):
                 commands.append((number, span, False))
     return [(number, command, fenced) for number, command, fenced in commands
@@ -95,13 +126,18 @@ def _tokens(command):
     return shlex.split(command.replace("[", " ").replace("]", " "), comments=True)
 
 
+def _program(word):
+    """`.venv/bin/python` and `/usr/bin/python3` run Python as `python` does."""
+    return "python" if word is not None and re.fullmatch(r"(\S*/)?python3?", word) else word
+
+
 def _command_word(command):
     try:
         tokens = _tokens(command)
     except ValueError:  # unbalanced quotes: kept, so that the check reports it
         return command.split()[0] if command.split() else None
     words = [token for token in tokens if not ENV_ASSIGNMENT.match(token)]
-    return words[0] if words else None
+    return _program(words[0]) if words else None
 
 
 def _split_env(tokens):
@@ -114,8 +150,9 @@ def _split_env(tokens):
 
 
 def parse_with_script_parser(target, argv, as_module, monkeypatch):
-    """The namespace the script's own argparse parser gives for argv; AssertionError with its message if it
-    refuses them. The script is run as __main__ with parse_args patched to stop right after parsing."""
+    """The namespace the script's own argparse parser gives for argv (None for `--help`, which prints and exits 0);
+    AssertionError with its message if it refuses them. The script is run as __main__ with parse_args patched to
+    stop right after parsing."""
     real_parse_args = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -132,6 +169,8 @@ def parse_with_script_parser(target, argv, as_module, monkeypatch):
         except Parsed as parsed:
             return parsed.namespace
         except SystemExit as exit_info:
+            if exit_info.code in (0, None) and {"-h", "--help"} & set(attempt):
+                return None
             error = f"exit code {exit_info.code}"
             continue
         finally:
@@ -144,17 +183,42 @@ def check_training_script(script, argv, monkeypatch):
     from utils.YParams import YParams
     assert os.path.isfile(script), f"no script {script}"
     namespace = parse_with_script_parser(script, argv, False, monkeypatch)
+    if namespace is None:  # --help
+        return f"{script} --help"
     YParams(namespace.yaml_config, namespace.config)  # a UserError names a config missing from the YAML file
     return f"{script} --config {namespace.config}"
 
 
-def check_python(tokens, monkeypatch):
-    """tokens: everything after `python`."""
+def check_pytest(argv):
+    """`python -m pytest [options] [paths]`: every path it names (before any `::test` part) exists."""
+    paths, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token in PYTEST_OPTIONS_WITH_VALUE:
+            i += 2
+            continue
+        if not token.startswith("-"):
+            paths.append(token.split("::", 1)[0])
+        i += 1
+    for path in paths:
+        assert os.path.exists(path), f"pytest is given {path}, which does not exist: no test path {path}"
+    return "-m pytest " + " ".join(paths)
+
+
+def check_python(tokens, monkeypatch, mention=False):
+    """tokens: everything after `python`. mention: inline text naming a module with no arguments, which need only
+    exist (`python -m sample_data.convert_to_npy` makes them)."""
     if tokens[0] == "-m":
         module, argv = tokens[1], tokens[2:]
+        if module == "pytest":
+            return check_pytest(argv)
         if module in ("torch.distributed.launch", "torch.distributed.run"):
             return check_launcher(argv, monkeypatch)
-        return f"-m {module} ({parse_with_script_parser(module, argv, True, monkeypatch) is not None})"
+        if mention and not argv:
+            assert importlib.util.find_spec(module) is not None, f"no module {module}"
+            return f"-m {module}"
+        parse_with_script_parser(module, argv, True, monkeypatch)
+        return f"-m {module}"
     script, argv = tokens[0], tokens[1:]
     if script in TRAINING_SCRIPTS:
         return check_training_script(script, argv, monkeypatch)
@@ -210,18 +274,19 @@ def check_sbatch(env, tokens, monkeypatch):
     return f"{submit}: " + check_training_script(script, tokens[script_at + 1:], monkeypatch)
 
 
-def check_command(command, monkeypatch):
-    """Check one README command; returns what was checked, or None when it names nothing to check."""
+def check_command(command, monkeypatch, mention=False):
+    """Check one command of a page; returns what was checked, or None when it names nothing to check. mention:
+    the command is inline text, where `python -m module` alone names a module rather than runs it."""
     env, tokens = _split_env(_tokens(command))
-    word, rest = tokens[0], tokens[1:]
-    if word in ("python", "python3"):
-        return check_python(rest, monkeypatch)
+    word, rest = _program(tokens[0]), tokens[1:]
+    if word == "python":
+        return check_python(rest, monkeypatch, mention)
     if word == "torchrun":
         return check_launcher(rest, monkeypatch)
     if word == "sbatch":
         return check_sbatch(env, rest, monkeypatch)
     if word in ("nsys", "srun", "shifter"):  # the command they wrap: after their options, or in `bash -c '...'`
-        inner = next((i for i, token in enumerate(rest) if token in RUNNERS), None)
+        inner = next((i for i, token in enumerate(rest) if _program(token) in RUNNERS), None)
         if inner is not None:
             return check_command(shlex.join(rest[inner:]), monkeypatch)
         script = next((rest[i + 1] for i in range(len(rest) - 1) if rest[i] == "-c" and rest[i - 1] == "bash"), "")
@@ -237,26 +302,34 @@ def check_command(command, monkeypatch):
     return None
 
 
-@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
-def test_every_readme_command_names_existing_scripts_configs_and_flags(monkeypatch, capsys):
-    commands = readme_commands(open(README).read())
+def stale_commands(path, text, monkeypatch):
+    """(what was checked, failures) for the commands of one page; each failure names page:line."""
     checked, failures = [], []
-    for number, command, fenced in commands:
+    for number, command, fenced in readme_commands(text):
         try:
-            what = check_command(command, monkeypatch)
+            what = check_command(command, monkeypatch, mention=not fenced)
         except (AssertionError, Exception) as err:  # noqa: B014 - every failure is reported with its line
-            failures.append(f"README.md:{number}: {command}\n    {type(err).__name__}: {err}")
+            failures.append(f"{page_name(path)}:{number}: {command}\n    {type(err).__name__}: {err}")
             continue
         if what:
             checked.append(what)
-        elif fenced and any(word in RUNNERS + ("sbatch",) for word in command.split()):
-            failures.append(f"README.md:{number}: {command}\n    runs something this test cannot check")
+        elif fenced and any(_program(word) in RUNNERS + ("sbatch",) for word in command.split()):
+            failures.append(f"{page_name(path)}:{number}: {command}\n    runs something this test cannot check")
+    return checked, failures
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_every_command_names_existing_scripts_configs_and_flags(page, monkeypatch, capsys):
+    checked, failures = stale_commands(page, open(page).read(), monkeypatch)
     capsys.readouterr()
-    assert not failures, "stale README commands:\n" + "\n".join(failures)
+    assert not failures, f"stale commands in {page_name(page)}:\n" + "\n".join(failures)
+    if page != README:
+        return
     scripts = " ".join(checked)
     assert len(checked) >= 30, checked  # the README shows dozens; far fewer means the parser lost them
     for script in ("train.py", "train_mp.py", "train_graph.py", "submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh",
-                   "-m utils.sample_data"):
+                   "-m sample_data"):
         assert script in scripts, f"no README command runs {script}"
 
 
@@ -266,7 +339,9 @@ def test_every_readme_command_names_existing_scripts_configs_and_flags(monkeypat
     ("torchrun --nproc_per_node 4 train_mp.py --config mp --tensor_paralel 2", "refused"),
     ("sbatch -N 4 --colour=blue submit_pm_dp.sh --config=bs256_opt", "sbatch has no option --colour"),
     ("sbatch -N 4 submit_nowhere.sh --config=bs256_opt", "no submit script"),
-    ("python -m utils.sample_data era5 --hieght 360", "refused"),
+    ("python -m exercises.check_tp_mlp --nprocs_typo 2", "refused"),
+    ("python -m pytest -q -m gpu tests/test_nowhere.py", "no test path tests/test_nowhere.py"),
+    (".venv/bin/python -m pytest tests/test_train.py::test_x tests/nowhere/", "no test path tests/nowhere/"),
     ("make no-such-target", "the Makefile has no target"),
 ])
 def test_the_checker_catches_stale_commands(command, message, monkeypatch, capsys):
@@ -275,18 +350,122 @@ def test_the_checker_catches_stale_commands(command, message, monkeypatch, capsy
     capsys.readouterr()
 
 
-def test_the_diff_sizes_readme_quotes_are_the_scripts_own():
-    """README quotes `diff A B` (N changed lines) for the lessons; N must be what diff shows today (the lines it
-    marks < or >), or the claim went stale when a script changed."""
-    import shutil
-    import subprocess
-    if shutil.which("diff") is None:
-        pytest.skip("no diff program on this machine")
-    with open(README) as f:
-        text = f.read()
-    claims = re.findall(r"`diff (\S+) (\S+)`\s*\((\d+) changed lines\)", text)
-    assert len(claims) >= 2  # train_graph.py and train_mp.py
-    for first, second, quoted in claims:
-        shown = subprocess.run(["diff", first, second], cwd=REPO_ROOT, capture_output=True, text=True).stdout
-        changed = sum(line[:1] in ("<", ">") for line in shown.splitlines())
-        assert int(quoted) == changed, f"README says `diff {first} {second}` is {quoted} changed lines: {changed}"
+def test_a_stale_command_is_reported_with_its_page_and_line(monkeypatch, capsys):
+    """The twin of the page test: a page holding a bad command fails, naming page:line; a module only named in
+    inline text must exist, while the same words in a code block are a command and must parse."""
+    page = os.path.join(REPO_ROOT, "docs", "example.md")
+    text = ("Intro, `python -m pytest tests/test_readme_commands.py` and `.venv/bin/python -m pytest -q tests`.\n"
+            "```bash\npython train.py --config short --no_such_flag\n```\n"
+            "Named only: `python -m no_such_module`.\n"
+            "```bash\npython -m exercises.check_tp_mlp\n```\n"
+            "Wrapped: see `python train.py --config short\n--no_such_flag` and `make\ndemo`.\n")
+    checked, failures = stale_commands(page, text, monkeypatch)
+    capsys.readouterr()
+    assert checked == ["-m pytest tests/test_readme_commands.py", "-m pytest tests",
+                       "-m exercises.check_tp_mlp", "make"], checked
+    assert [failure.split(": ")[0] for failure in failures] == ["docs/example.md:3", "docs/example.md:5",
+                                                                "docs/example.md:9"], failures
+
+
+def heading_anchors(text):
+    """The `#anchors` GitHub gives a markdown page's headings: lower case, punctuation dropped, spaces as '-', and
+    a repeated heading numbered (-1, -2, ...)."""
+    anchors, in_block = set(), False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_block = not in_block
+            continue
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if in_block or not heading:
+            continue
+        anchor = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+        unique, n = anchor, 0
+        while unique in anchors:
+            n += 1
+            unique = f"{anchor}-{n}"
+        anchors.add(unique)
+    return anchors
+
+
+def page_links(text):
+    """(line number, target) of every markdown link and image outside code blocks and inline code."""
+    links, in_block = [], False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            in_block = not in_block
+            continue
+        if not in_block:
+            links += [(number, target) for target in LINK.findall(re.sub(r"`[^`]*`", "", line))]
+    return links
+
+
+def broken_links(path, text):
+    """page:line of each relative link of the page whose file, or whose #anchor in a markdown file, is missing."""
+    broken = []
+    for number, target in page_links(text):
+        if URL_SCHEME.match(target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+        if file_part and not os.path.exists(linked):
+            broken.append(f"{page_name(path)}:{number}: ({target}): no file {page_name(linked)}")
+        elif anchor and linked.endswith(".md"):
+            linked_text = text if linked == path else open(linked).read()
+            if anchor not in heading_anchors(linked_text):
+                broken.append(f"{page_name(path)}:{number}: ({target}): {page_name(linked)} has no heading #{anchor}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_every_relative_link_points_to_an_existing_file(page):
+    text = open(page).read()
+    assert page_links(text) or page == README, f"{page_name(page)} links nothing; the parser may have lost them"
+    broken = broken_links(page, text)
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_readme_links_every_docs_page():
+    """A docs/ page README does not link is a page no reader finds."""
+    linked = {os.path.normpath(os.path.join(REPO_ROOT, target.partition("#")[0]))
+              for _, target in page_links(open(README).read())}
+    assert len(PAGES) > 1
+    missing = [page_name(page) for page in PAGES[1:] if page not in linked]
+    assert not missing, f"README.md does not link {missing}"
+
+
+def test_the_link_checker_catches_broken_links():
+    """The twin: a link to a missing file, and one to a missing heading, are reported with their line; good links,
+    links in code and web addresses are not."""
+    page = os.path.join(REPO_ROOT, "docs", "example.md")
+    text = ("# Example page\n"
+            "See [testing](testing.md#what-has-run-on-a-gpu), [the top](#example-page), "
+            "![a figure](../tutorial_images/mp_layouts.png) and [PyTorch](https://pytorch.org).\n"
+            "A [stale page](nowhere.md) and `[in code](nowhere.md)`.\n"
+            "```\n[in a block](nowhere.md)\n```\n"
+            "A [stale heading](../README.md#no-such-section).\n")
+    broken = broken_links(page, text)
+    assert [line.split(": ")[0] for line in broken] == ["docs/example.md:3", "docs/example.md:7"], broken
+    assert "no file docs/nowhere.md" in broken[0] and "README.md has no heading #no-such-section" in broken[1]
+    assert heading_anchors("## Launchers: torchrun, `torch.distributed.launch`\n## A\n## A\n") == {
+        "launchers-torchrun-torchdistributedlaunch", "a", "a-1"}
+
+
+def unshown_figures(figures, pages):
+    """The figure files (paths relative to the repository) no page shows as an image: `![...](path)`."""
+    shown = set()
+    for path, text in pages:
+        for _, target in page_links(text):
+            shown.add(page_name(os.path.normpath(os.path.join(os.path.dirname(path), target.partition("#")[0]))))
+    return sorted(set(figures) - shown)
+
+
+def test_every_figure_is_shown_somewhere():
+    """Each figure `make figures` draws is shown by README or a docs/ page (from docs/ the path is
+    ../tutorial_images/). The twin: a figure no page shows is named, one shown from docs/ is not."""
+    figures = [page_name(path) for path in glob.glob(os.path.join(REPO_ROOT, "tutorial_images", "*.png"))]
+    assert figures
+    unshown = unshown_figures(figures, [(path, open(path).read()) for path in PAGES])
+    assert not unshown, f"figures no page shows: {unshown}"
+    page = os.path.join(REPO_ROOT, "docs", "example.md")
+    assert unshown_figures(["tutorial_images/a.png", "tutorial_images/b.png"],
+                           [(page, "![A](../tutorial_images/a.png)")]) == ["tutorial_images/b.png"]

@@ -1,7 +1,7 @@
 """What goes wrong in real runs: nan losses, two runs in one directory, a kill during validation, a missing peer,
 bad files and flags, a full disk, a killed rank under torchrun. Each test fails on the code before the fix.
 
-A failure points to utils/training.py (lock, meter, checkpoints), utils/comm.py (rendezvous), utils/checkpoint.py,
+A failure points to utils/training.py (meter, checkpoints), utils/run_lock.py, utils/rendezvous.py, utils/checkpoint.py,
 utils/YParams.py, utils/cli.py, the data loaders, or train.py's loop.
 """
 import gc
@@ -22,8 +22,8 @@ from torch.utils.tensorboard import SummaryWriter
 import train
 import utils.checkpoint
 import utils.flops
+from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command
-from utils.sample_data import write_era5
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
@@ -67,11 +67,12 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(small_era5, t
     assert open(checkpoint, "rb").read() == good and not os.path.exists(checkpoint + ".tmp")
 
 
+@pytest.mark.multiprocess
 def test_second_run_in_the_same_directory_is_refused_until_the_first_ends(small_era5, tmp_path, capsys):
     run_dir = run_dir_of(tmp_path)
     os.makedirs(run_dir)
     # the holder forks a child (as a loader worker is): killing the holder alone must free the directory
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from utils.training import RunDirectoryLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from utils.run_lock import RunDirectoryLock; "
                                f"RunDirectoryLock({run_dir!r}); child = os.fork(); child or time.sleep(60); "
                                "print('locked', child, flush=True); time.sleep(120)"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
@@ -130,6 +131,7 @@ def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path
     assert 12 in [step for step, _ in split["Loss/valid"]]
 
 
+@pytest.mark.multiprocess
 def test_missing_peer_times_out_with_one_line(tmp_path):
     port = free_port()
     env = dict(os.environ, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -143,6 +145,7 @@ def test_missing_peer_times_out_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_rank_without_rank0_gives_up_with_one_line():
     env = dict(os.environ, WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     result = subprocess.run([sys.executable, "train.py", "--config", "tiny", "--dist_timeout", "1"], cwd=REPO_ROOT,
@@ -243,6 +246,7 @@ def test_error_raised_in_a_loader_worker_is_still_one_line():
     assert one_line(info.value) == "HDF5 file 'x.h5' cannot be read at time step 3"
 
 
+@pytest.mark.multiprocess
 def test_torch_distributed_launch_command_runs(small_era5, tmp_path):
     """The SC20/ImageNet-DDP tutorials' launcher passes --local-rank=0 to the script."""
     result = run_command(["-m", "torch.distributed.launch", "--nproc_per_node=1", "--master_port", str(free_port()),
@@ -269,6 +273,7 @@ def test_profiler_window_spans_an_nvtx_range_named_profile(monkeypatch):
     assert calls == ["start", "push PROFILE", "pop", "stop"]
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_run(era5_dir, tmp_path):
     """torchrun --max-restarts 1, one rank SIGKILLed after the first checkpoint: the restarted ranks resume from
     it by themselves, and the final weights equal those of a run nobody killed."""

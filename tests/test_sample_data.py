@@ -1,4 +1,4 @@
-"""Tests for utils/sample_data/era5.py: a failure here means the synthetic ERA5 files no
+"""Tests for sample_data/era5.py: a failure here means the synthetic ERA5 files no
 longer match the on-disk format the tutorials read, are not reproducible, or stopped
 being learnable (no predictable dynamics beyond persistence)."""
 
@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from utils.sample_data.common import SampleDataError
-from utils.sample_data.era5 import ERA5_CHANNELS, persistence_error, write_era5
+from sample_data.common import SampleDataError
+from sample_data.era5 import ERA5_CHANNELS, persistence_error, write_era5
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _all_file_bytes(root):
 
 def _run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "utils.sample_data", "era5", *args],
+        [sys.executable, "-m", "sample_data", "era5", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False,
     )
 
@@ -104,6 +104,7 @@ def test_years_differ(era5_dir):
     assert np.sqrt(np.mean((first - second) ** 2)) > 0.5 * np.sqrt(np.mean(first ** 2))
 
 
+@pytest.mark.multiprocess
 def test_cli_writes_then_refuses_to_overwrite(tmp_path):
     """Failure: CLI progress output, the overwrite guard (exit 2, one line) or --overwrite broke."""
     out = tmp_path / "cli"
@@ -124,6 +125,7 @@ def test_cli_writes_then_refuses_to_overwrite(tmp_path):
     assert replaced.returncode == 0, replaced.stderr
 
 
+@pytest.mark.multiprocess
 def test_cli_bad_size_exits_2(tmp_path):
     """Failure: a bad size gives a traceback or a zero exit instead of one clear error line."""
     result = _run_cli("--out", str(tmp_path / "bad"), "--height", "4")

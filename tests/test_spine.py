@@ -1,9 +1,10 @@
 """The shared training spine (utils/training.py, the loader interface, the "dp" group): train.py built on it
-reproduces the numbers of the script before it, loaders serve the loop through one interface, reductions follow
+reproduces the recorded numbers of each stage, loaders serve the loop through one interface, reductions follow
 the named group, and the LR schedule is stepped outside the training step.
 
-A failure in the first test means the refactor changed what training computes; the others point to
-utils/data_loader.py (TorchLoader), utils/comm.py or train.py's step function.
+A failure in the first test means a change altered what training computes (tests/data/spine_reference.json holds
+every TensorBoard point and the weight sums of each stage's `tiny` run); the others point to
+loaders/common.py (TorchLoader), utils/comm.py or train.py's step function.
 """
 import json
 import os
@@ -14,8 +15,8 @@ import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from sample_data import write_cifar100, write_cosmo
 from tests.conftest import REPO_ROOT, as_spawned_rank, free_port
-from utils.sample_data import write_cifar100, write_cosmo
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 REFERENCE = os.path.join(REPO_ROOT, "tests", "data", "spine_reference.json")
@@ -30,9 +31,9 @@ def stage_data(era5_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage", ["vit", "unet", "resnet"])
-def test_train_reproduces_the_numbers_from_before_the_refactor(stage, stage_data, tmp_path):
-    """Every TensorBoard point and the final weights of each stage's `tiny` run, against the values recorded
-    with train.py before the shared helpers existed (tests/data/spine_reference.json)."""
+def test_train_reproduces_each_stages_recorded_points_and_weights(stage, stage_data, tmp_path):
+    """Every TensorBoard point and the final weights of each stage's `tiny` run, against the recorded values
+    (tests/data/spine_reference.json, first recorded with the original single-file train.py)."""
     reference = json.load(open(REFERENCE))["stages"][stage]
     train.main(["--yaml_config", YAML[stage], "--config", "tiny", "--data_dir", stage_data[stage],
                 "--expdir", str(tmp_path), *reference["flags"]])
@@ -60,7 +61,7 @@ def params_for(tmp_path, era5_dir, **changes):
 
 
 def test_torch_loader_resumes_mid_epoch_and_peeks_without_consuming(era5_dir, tmp_path):
-    from utils.data_loader import get_data_loader
+    from loaders import get_data_loader
     loader = get_data_loader(params_for(tmp_path, era5_dir), train=True)
     assert len(loader) == 64 and loader.sample_shape == (20, 16, 32)
     loader.set_epoch(1)
@@ -79,8 +80,8 @@ def test_torch_loader_resumes_mid_epoch_and_peeks_without_consuming(era5_dir, tm
 def test_first_batch_of_random_crops_leaves_the_training_stream_alone(tmp_path):
     """The cosmology dataset draws crops from its own generator: looking at the step-0 batch must not shift
     the crops training sees."""
+    from loaders import get_data_loader
     from utils.cli import apply_overrides, training_parser
-    from utils.data_loader import get_data_loader
     from utils.YParams import YParams
     data = write_cosmo(tmp_path / "cosmo", verbose=False)
     params = YParams("config/UNet.yaml", "tiny")
@@ -109,6 +110,7 @@ def _reduce_over_dp(rank, port, results):
     comm.destroy()
 
 
+@pytest.mark.multiprocess
 def test_reductions_follow_the_named_group():
     results = mp.Manager().dict()
     mp.spawn(_reduce_over_dp, args=(free_port(), results), nprocs=2)

@@ -86,6 +86,7 @@ def stub_runs(tmp_path):
 
 
 @pytest.mark.parametrize("script", SUBMIT_SCRIPTS)
+@pytest.mark.multiprocess
 def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkout, tmp_path):
     """2 nodes x 2 tasks: every rank gets the arguments word for word, its rank, its node-local rank, and the first
     node as MASTER_ADDR; the default script of each submit script runs."""
@@ -106,6 +107,7 @@ def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkou
         assert record(tmp_path, "nsys", rank) is None  # no profiling unless asked
 
 
+@pytest.mark.multiprocess
 def test_gpu_order_reversed_by_the_whole_node_scripts_unless_no_gpu_is_asked_for(checkout, tmp_path):
     """submit_pm_dp.sh/submit_pm_mp.sh reverse the GPUs (Slurm's CPU affinity), keep an empty CUDA_VISIBLE_DEVICES
     (CPU runs), and submit_pm.sh leaves it alone."""
@@ -127,6 +129,7 @@ def test_gpu_order_reversed_by_the_whole_node_scripts_unless_no_gpu_is_asked_for
     ("submit_pm_mp.sh", None, 2, False),
     ("submit_pm_mp.sh", "train_mp_graphs.py", 2, True),
 ])
+@pytest.mark.multiprocess
 def test_profiling_wraps_every_rank_in_nsys(script, training_script, ntasks, graphs, checkout, tmp_path):
     """ENABLE_PROFILING=1: each rank runs under `nsys profile` with the original options, the CUDA-graph trace only
     for the graph scripts, NVTX ranges by string, and its own report under LOGDIR when there are several ranks."""
@@ -154,6 +157,7 @@ def test_profiling_wraps_every_rank_in_nsys(script, training_script, ntasks, gra
             assert ("-o", report + "_rank%q{SLURM_PROCID}") in pairs and options[-1] == f"output={report}_rank{rank}"
 
 
+@pytest.mark.multiprocess
 def test_image_variable_reaches_shifter_and_a_failing_rank_fails_the_job(checkout, tmp_path):
     env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), IMAGE="docker:someone/dl-at-scale:24.08",
                   STUB_FAIL_RANK="1")
@@ -169,6 +173,7 @@ def test_image_variable_reaches_shifter_and_a_failing_rank_fails_the_job(checkou
     ({"TRAINING_SCRIPT": "train_graph.py"}, "error: train_graph.py is not in "),  # deleted from the checkout below
     ({"LOGDIR": None, "SCRATCH": None}, "error: neither LOGDIR nor SCRATCH is set"),
 ])
+@pytest.mark.multiprocess
 def test_a_mistake_in_the_job_environment_is_one_line(variables, message, checkout, tmp_path):
     """Outside the four scripts, one of them absent from the submission directory, or nowhere to write: one line,
     exit 2, nothing started."""
@@ -181,6 +186,7 @@ def test_a_mistake_in_the_job_environment_is_one_line(variables, message, checko
     assert not list((tmp_path / "stub_out").iterdir()) and record(tmp_path, "shifter", 0) is None
 
 
+@pytest.mark.multiprocess
 def test_outside_slurm_the_scripts_say_so_in_one_line(tmp_path):
     env = job_env(tmp_path)
     result = subprocess.run(["bash", "submit_pm_dp.sh", "--config=short"], cwd=REPO_ROOT, env=env,
@@ -193,6 +199,7 @@ def test_outside_slurm_the_scripts_say_so_in_one_line(tmp_path):
     assert result.stderr.startswith("error: SLURM_PROCID is not set")
 
 
+@pytest.mark.multiprocess
 def test_export_DDP_vars_maps_slurm_to_torch_and_gives_each_job_its_port(tmp_path):
     """One port per job (two jobs sharing a node must not both take 29500); a MASTER_PORT already set wins."""
     def exported(**slurm):
@@ -214,6 +221,7 @@ def tiny_args(era5_dir, expdir, *extra):
     return ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir), "--num_iters", "2", *extra]
 
 
+@pytest.mark.multiprocess
 def test_submit_pm_trains_two_ranks_under_nsys_with_a_spaced_quoted_expdir(era5_dir, tmp_path):
     expdir = tmp_path / "dir with space and 'quote'"
     env = job_env(tmp_path, ENABLE_PROFILING="1", PROFILE_OUTPUT="tiny")
@@ -225,6 +233,7 @@ def test_submit_pm_trains_two_ranks_under_nsys_with_a_spaced_quoted_expdir(era5_
         assert record(tmp_path, "nsys", rank)[-1] == f"output={tmp_path / 'logs'}/tiny_rank{rank}"
 
 
+@pytest.mark.multiprocess
 def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_path):
     env = job_env(tmp_path)
     result = sbatch(["-N", "2", "-n", "2", "submit_pm_dp.sh", *tiny_args(era5_dir, tmp_path / "runs")], REPO_ROOT,
@@ -236,6 +245,7 @@ def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_pat
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
     env = job_env(tmp_path)
     result = sbatch(["--ntasks-per-node", "2", "submit_pm_mp.sh",
@@ -245,6 +255,7 @@ def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
     assert (tmp_path / "runs" / "tiny" / "2MP" / "00" / "checkpoints" / "ckpt.pt").is_file()
 
 
+@pytest.mark.multiprocess
 def test_shell_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
                                                                     os.environ.get("PATH", "")]))

@@ -1,6 +1,6 @@
 """train.py end to end on CPU: log lines, TensorBoard tags, loss falls, AMP/fused/compile, bad input.
 
-A failure here points to train.py or the seams it calls (utils/cli.py, utils/data_loader.py, utils/optim.py).
+A failure here points to train.py or the seams it calls (utils/cli.py, loaders/, utils/optim.py).
 """
 import os
 import re
@@ -37,6 +37,7 @@ def scalar_steps(events, tag):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_log_lines_match_the_tutorial(tiny_run):
     _, _, log = tiny_run
     line_start = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - root - INFO - "
@@ -52,6 +53,7 @@ def test_log_lines_match_the_tutorial(tiny_run):
     assert re.search(line_start + "DONE ---- rank 0$", log, re.M)
 
 
+@pytest.mark.multiprocess
 def test_tensorboard_tags_and_steps(tiny_run):
     _, events, _ = tiny_run
     tags = events.Tags()
@@ -67,6 +69,7 @@ def test_tensorboard_tags_and_steps(tiny_run):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_loss_falls_and_num_iters_are_run(tiny_run):
     run_dir, events, _ = tiny_run
     valid = [e.value for e in events.Scalars("Loss/valid")]
@@ -96,6 +99,7 @@ def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_enable_jit_compiles_a_tiny_model(era5_dir, tmp_path):
     from torch._dynamo.utils import counters
     counters.clear()
@@ -118,7 +122,7 @@ def write_yaml(tmp_path, **changes):
 @pytest.mark.parametrize("case, message", [
     ("unknown_config", "config 'nope' is not in .*choose one of: base, short"),
     ("missing_yaml", "'config/nope.yaml' not found"),
-    ("missing_data", "does not exist; generate sample data with `python -m utils.sample_data era5"),
+    ("missing_data", "does not exist; generate sample data with `python -m sample_data era5"),
     ("empty_data", "holds no .h5 files; generate sample data"),
     ("patch", r"img_size \[30, 64\] is not divisible by patch_size 4"),
     ("heads", "embed_dim 190 is not divisible by num_heads 6"),
@@ -152,6 +156,7 @@ def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
     assert re.search(message, err_lines[0]), err_lines[0]
 
 
+@pytest.mark.multiprocess
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     result = run_command(["train.py", "--config", "tiny", "--data_dir", str(tmp_path / "nowhere"),
                           "--expdir", str(tmp_path)])

@@ -87,11 +87,12 @@ def emulated_graphs(monkeypatch):
         return replay
 
     run_on_the_cpu(monkeypatch)
-    for script in (train_graph, train_mp_graphs):
-        monkeypatch.setattr(script, "make_capturable", recording_make_capturable)
+    monkeypatch.setattr(cuda_graphs, "make_capturable", recording_make_capturable)
     monkeypatch.setattr(cuda_graphs, "require_cuda", lambda device, instead: None)
     monkeypatch.setattr(cuda_graphs, "side_stream", lambda device: None)
     monkeypatch.setattr(cuda_graphs, "on_stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graphs, "enter_stream", lambda stream: None)
+    monkeypatch.setattr(cuda_graphs, "leave_stream", lambda stream: None)
     monkeypatch.setattr(cuda_graphs, "capture", emulated_capture)
     monkeypatch.setattr(cuda_graphs, "WARMUP_STEPS", 2)  # enough to leave traces if the restore missed any
     return lrs_read
@@ -272,7 +273,7 @@ def test_bench_graph_refuses_a_machine_without_cuda(capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def cosmo_dir(tmp_path_factory):
-    from utils.sample_data import write_cosmo
+    from sample_data import write_cosmo
     return str(write_cosmo(tmp_path_factory.mktemp("cosmo"), verbose=False))
 
 
@@ -304,8 +305,7 @@ def test_graph_steps_equal_eager_steps_on_gpu(stage, era5_dir, cosmo_dir, tmp_pa
     eager_losses = list(step_losses)
     step_losses.clear()
     optimizers, lrs = [], []
-    script = train_graph if graph_main is train_graph.main else train_mp_graphs
-    monkeypatch.setattr(script, "make_capturable", lambda opt: optimizers.append(opt) or make_capturable(opt))
+    monkeypatch.setattr(cuda_graphs, "make_capturable", lambda opt: optimizers.append(opt) or make_capturable(opt))
     add = EpochMeter.add
 
     def add_and_read_lr(self, loss, metrics):

@@ -70,6 +70,7 @@ def assert_same_run(got, expected, after_step=-1):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("nproc, tp, cp", [(2, 2, 1), (2, 1, 2), (4, 2, 1)], ids=["tp2", "cp2", "tp2xdp2"])
+@pytest.mark.multiprocess
 def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp):
     (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp)
     assert_same_run(got, serial)
@@ -78,12 +79,14 @@ def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_tp2_x_cp2_reproduces_the_serial_run_across_a_restart(tp2_cp2, serial):
     assert_same_run(tp2_cp2[0], serial)
     assert "Resumed from" in tp2_cp2[1]
 
 
 @pytest.mark.compat
+@pytest.mark.multiprocess
 def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
     """MFU counts the model's FLOPs: train_mp.py at tp=2 x cp=2 logs those of the serial ViT (each rank does about a
     quarter of them), counted without a collective: torch 2.5 has no meta kernel for them and stopped here."""
@@ -98,6 +101,7 @@ def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
     assert logged == pytest.approx(serial, rel=1e-3)
 
 
+@pytest.mark.multiprocess
 def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2_cp2):
     """Weights and Adam's moments gathered to the serial layout: train.py continues the run exactly."""
     train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", ITERS,
@@ -105,6 +109,7 @@ def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2
     assert_same_run(results(os.path.join(str(tmp_path), "tiny", "1GPU", "00")), serial, after_step=10)
 
 
+@pytest.mark.multiprocess
 def test_train_mp_resumes_a_train_py_checkpoint_at_tp2(era5_dir, tmp_path, serial):
     serial_dir = tmp_path / "serial"
     train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(serial_dir), "--num_iters", ITERS,
@@ -115,6 +120,7 @@ def test_train_mp_resumes_a_train_py_checkpoint_at_tp2(era5_dir, tmp_path, seria
     assert_same_run(got, serial, after_step=10)
 
 
+@pytest.mark.multiprocess
 def test_without_gradient_reduction_the_cp_run_drifts(era5_dir, tmp_path, serial):
     """The comparisons above can fail: at cp=2 without DDP's hook (--noddp) the gradients of cp-shared weights
     cover half the tokens each, and the run leaves the serial one."""
@@ -145,7 +151,7 @@ def _load_and_train(rank, world, port, checkpoints, results):
     from utils.loss import get_loss
     from utils.YParams import YParams
     torch.set_num_threads(1)
-    comm.init(rendezvous_timeout=60, tp=2, cp=2)
+    comm.init({"tp": 2, "cp": 2}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")
     torch.manual_seed(params.seed)
     model = get_model(params)
@@ -176,6 +182,7 @@ def _load_and_train(rank, world, port, checkpoints, results):
     comm.destroy()
 
 
+@pytest.mark.multiprocess
 def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, serial, tp2_cp2):
     """A train.py checkpoint and a tp=2 x cp=2 checkpoint, each loaded serially and at tp=2 x cp=2, give the
     same loss on the same batch; after training steps at tp=2 x cp=2 the shared copies are bitwise equal."""

@@ -2,7 +2,7 @@
 channels_last and bf16 on CPU, DataParallel mode, DDP == one process, bad input.
 
 A failure points to train.py, utils/metrics.py (top-k), utils/optim.py (SGD, plateau schedule), or the
-image seams (networks/resnet.py, utils/data_loader_images.py).
+image seams (networks/resnet.py, loaders/images.py).
 """
 import hashlib
 import json
@@ -15,9 +15,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from sample_data.images import write_cifar100
 from tests.conftest import REPO_ROOT, run_command
 from utils.cli import apply_overrides, training_parser
-from utils.sample_data.images import write_cifar100
 from utils.YParams import YParams
 
 RESNET_YAML = "config/ResNet50.yaml"
@@ -83,8 +83,9 @@ def test_channels_last_bf16_and_dataparallel_run_on_cpu(cifar_dir, tmp_path):
     assert not any(name.startswith("module.") for name in checkpoint["model"])  # unwrapped weights
 
 
+@pytest.mark.multiprocess
 def test_imagefolder_path_trains(tmp_path):
-    from utils.sample_data.images import write_imagefolder
+    from sample_data.images import write_imagefolder
     data = write_imagefolder(tmp_path / "folders", verbose=False)
     _, events, _ = run_resnet(str(data), tmp_path / "runs", "--num_iters", "4", config="imagefolder_demo")
     assert events.Scalars("Accuracy/top1/valid")[-1].step == 4
@@ -109,6 +110,7 @@ def ddp_weights(cifar_dir, tmp_path, nproc, *flags):
     return torch.load(path, weights_only=False)["model"]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_match_one_process(cifar_dir, tmp_path):
     one = ddp_weights(cifar_dir, tmp_path / "one", 1)
     two = ddp_weights(cifar_dir, tmp_path / "two", 2)

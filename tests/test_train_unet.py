@@ -2,7 +2,7 @@
 configs, and the built-in throughput benchmark (IO / SYNTHETIC / FULL) for the UNet and the ViT.
 
 A failure points to train.py, utils/cli.py (flag aliases), utils/benchy.py, or the UNet seams
-(networks/UNet.py, utils/data_loader_cosmo.py and utils/data_loader_dali_cosmo.py, the l1_rho loss in utils/loss.py).
+(networks/UNet.py, loaders/cosmo.py and loaders/dali_cosmo.py, the l1_rho loss in utils/loss.py).
 """
 import json
 import os
@@ -13,11 +13,11 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from sample_data.cosmo import write_cosmo
 from tests.conftest import run_command
 from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
 from utils.optim import get_optimizer
-from utils.sample_data.cosmo import write_cosmo
 from utils.YParams import YParams
 
 UNET_YAML = "config/UNet.yaml"
@@ -104,15 +104,16 @@ def test_dali_loader_without_the_npy_copies_is_one_clear_line(tmp_path, capsys):
         run_unet(str(data), tmp_path, "--data_loader_config", "dali-lowmem")
     err = [line for line in capsys.readouterr().err.splitlines() if " - root - " not in line]
     assert exit_info.value.code == 2 and len(err) == 1
-    assert "downsamp_2048crop_train_data.npy' not found" in err[0] and "python -m utils.convert_to_npy" in err[0]
+    assert "downsamp_2048crop_train_data.npy' not found" in err[0] and "python -m sample_data.convert_to_npy" in err[0]
 
 
+@pytest.mark.multiprocess
 def test_missing_cosmology_data_is_one_clear_line(tmp_path):
     result = run_command(["train.py", "--yaml_config", UNET_YAML, "--config", "tiny", "--data_dir",
                           str(tmp_path / "nowhere"), "--expdir", str(tmp_path)])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "python -m utils.sample_data cosmo" in last
+    assert last.startswith("error: ") and "python -m sample_data cosmo" in last
 
 
 def read_benchmark(stderr_or_log, json_path):
@@ -142,6 +143,7 @@ def test_benchmark_mode_unet(cosmo_dir, tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(run_dir, "checkpoints"))  # benchmark only: no training, no checkpoint
 
 
+@pytest.mark.multiprocess
 def test_benchmark_mode_vit_on_two_ranks(era5_dir, tmp_path, monkeypatch):
     out = tmp_path / "vit_bench"
     monkeypatch.setenv("BENCHY_OUTPUT", str(out))

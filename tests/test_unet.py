@@ -1,12 +1,14 @@
 """3D UNet shapes, exact parameter counts, weight init and the loss. Failures point to networks/UNet.py
-(layer ladder or skip connections for counts/shapes, init_weights for the statistics, loss_func for values)."""
+(layer ladder or skip connections for counts/shapes, init_weights for the statistics) or to utils/loss.py
+(l1_rho_loss, for values)."""
 import math
 
 import pytest
 import torch
 
-from networks.UNet import UNet, check_unet_params, loss_func
+from networks.UNet import UNet, check_unet_params
 from utils.errors import UserError
+from utils.loss import l1_rho_loss
 from utils.YParams import YParams
 
 
@@ -73,17 +75,18 @@ def test_loss_on_hand_computable_inputs():
     tar[1, 3] = -0.3  # another channel: only in the L1 part
     l1 = (0.1 + 0.3) / 10
     rho_term = (math.exp(1.4) - 1.0) / 2  # mean over the 2 channel-0 elements, not over all 10
-    assert loss_func(gen, tar, 0).item() == pytest.approx(l1, rel=1e-6)
-    assert loss_func(gen, tar, 0.5).item() == pytest.approx(l1 + 0.5 * rho_term, rel=1e-6)
+    assert l1_rho_loss(gen, tar, 0).item() == pytest.approx(l1, rel=1e-6)
+    assert l1_rho_loss(gen, tar, 0.5).item() == pytest.approx(l1 + 0.5 * rho_term, rel=1e-6)
 
 
 @pytest.mark.parametrize("lambda_rho", [0.0, 0.1])
+@pytest.mark.multiprocess
 def test_compiled_loss_equals_eager(lambda_rho):
     generator = torch.Generator().manual_seed(0)
     gen = 0.2 * torch.rand(2, 5, 4, 4, 4, generator=generator) - 0.1
     tar = 0.2 * torch.rand(2, 5, 4, 4, 4, generator=generator) - 0.1
-    eager = loss_func(gen, tar, lambda_rho)
-    compiled = torch.compile(loss_func, fullgraph=True)(gen, tar, lambda_rho)
+    eager = l1_rho_loss(gen, tar, lambda_rho)
+    compiled = torch.compile(l1_rho_loss, fullgraph=True)(gen, tar, lambda_rho)
     assert eager.item() > 0.01
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 

@@ -1,7 +1,8 @@
-"""Data loader selection: the config's `dataset` picks the reader, `data_loader_config` its variant."""
+"""Data loader selection: the config's `dataset` picks the reader, `data_loader_config` its variant (loaders/)."""
 
 
 def get_data_loader_distributed(params, train):
-    """(loader, dataset, sampler) for the training (train=True) or validation split."""
-    from utils.data_loader import get_data_loader  # lazy: `python -m utils.sample_data` needs no torch
+    """The loader of the training (train=True) or validation split, sharded over the data-parallel ranks: the
+    interface of loaders/common.py (iterate an epoch, len(), set_epoch(epoch, skip), sample_shape, first_batch())."""
+    from loaders import get_data_loader  # lazy: `python -m sample_data` needs no torch
     return get_data_loader(params, train)

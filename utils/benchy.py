@@ -19,6 +19,7 @@ import torch.distributed as dist
 from utils import comm
 from utils.atomic import write_json
 from utils.profiling import peak_memory_gb
+from utils.training import finish_run, set_train_mode
 
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
 
@@ -68,12 +69,14 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
     return trial_rate
 
 
-def run_benchmarks(params, train_loader, to_device, train_step, device, out_path, flops_per_sample, peak,
-                   num_devices):
-    """IO, SYNTHETIC and FULL trials; summary lines, and `out_path` (JSON) written by rank 0.
+def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_device_sample, peak):
+    """IO, SYNTHETIC and FULL trials with the model in training mode, summary lines, the JSON written by rank 0
+    ($BENCHY_OUTPUT.json, or benchy_output.json in the run directory), then the run's end (finish_run).
 
-    `train_step(inp, tar)` is one optimisation step; MFU is per device (`num_devices` share the work) against
-    `peak` (utils.flops.Peak)."""
+    `train_step(inp, tar)` is one optimisation step; MFU is per device (`flops_per_device_sample` is the training
+    FLOPs of one sample over the devices sharing it) against `peak` (utils.flops.Peak)."""
+    params, device = run.params, run.device
+    set_train_mode(model, params)
     nbatches, ntrials, nwarmup = params.benchy_nbatches, params.benchy_ntrials, params.benchy_nwarmup
     batches = endless_batches(train_loader)
     fixed_batch = to_device(*next(batches))
@@ -95,7 +98,7 @@ def run_benchmarks(params, train_loader, to_device, train_step, device, out_path
         results[name] = {"trial_throughputs": rates, "mean": statistics.mean(rates),
                          "std": statistics.stdev(rates) if len(rates) > 1 else 0.0}
         if name != "IO":
-            achieved = flops_per_sample * results[name]["mean"] / num_devices
+            achieved = flops_per_device_sample * results[name]["mean"]
             results[name].update({"tflops_per_device": achieved / 1e12, "mfu": peak.mfu(achieved)})
     results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device)})
 
@@ -106,6 +109,8 @@ def run_benchmarks(params, train_loader, to_device, train_step, device, out_path
     logging.info(f"BENCHY::SUMMARY::FULL MFU {100 * results['FULL']['mfu']:.1f}% ({peak.describe()}); "
                      f"peak memory {results['peak_memory_gb']:.2f} GB")
     if not dist.is_initialized() or dist.get_rank() == 0:
+        out_path = benchy_output_path(run.exp_dir)
         write_json(out_path, results)
         logging.info(f"BENCHY::results written to {out_path}")
+    finish_run(run)
     return results

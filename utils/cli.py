@@ -9,7 +9,9 @@ from utils.errors import ArgumentParser, UserError
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def training_parser(description):
+def training_parser(description, one_process_dp=True):
+    """The flags every training script takes; `one_process_dp=False` leaves out --parallel dp (nn.DataParallel),
+    which only train.py offers."""
     parser = ArgumentParser(description=description)
     add = parser.add_argument
     add("--local_rank", "--local-rank", type=int, default=None,
@@ -35,7 +37,7 @@ def training_parser(description):
     add("--disable_broadcast_buffers", action="store_true",
         help="DDP without buffer broadcast, gradients as bucket views")
     add("--noddp", action="store_true", help="no DDP wrapper even when distributed (no gradient sync)")
-    add("--parallel", type=str, default="ddp", choices=["ddp", "dp"],
+    add("--parallel", type=str, default="ddp", choices=["ddp", "dp"] if one_process_dp else ["ddp"],
         help="ddp: one process per device; dp: nn.DataParallel over the node's GPUs in one process")
     add("--arch", "-a", type=str, default=None, help="torchvision architecture (ResNet stage), e.g. resnet50")
     add("--desired_acc", type=float, default=None,
@@ -72,7 +74,17 @@ def reroot(path, data_root, data_dir):
 
 
 def apply_overrides(params, args, dp_size, dp_rank):
-    """Write the flags that were given into params; derive batch sizes, AMP dtype, data paths and shards."""
+    """Write the flags that were given into params, then derive what follows from them, in named steps."""
+    take_flags(params, args)
+    check_counts_and_set_defaults(params)
+    set_precision(params, args)
+    set_batch_sizes(params, args, dp_size)
+    set_profiling_window(params, args)
+    set_data_paths_and_shard(params, args, dp_size, dp_rank)
+
+
+def take_flags(params, args):
+    """The flags given on the command line (None: keep the YAML value) into params; the UNet stage's aliases."""
     if args.enable_amp:
         args.amp_mode = args.amp_mode or "fp16"
     if args.enable_apex:
@@ -90,16 +102,19 @@ def apply_overrides(params, args, dp_size, dp_rank):
         if value is not None:
             params[key] = value
 
+
+def check_counts_and_set_defaults(params):
+    """Counts that must be whole and large enough (run length, checkpoint interval, workers, benchmark trials);
+    defaults for the switches a config may leave out."""
     for key, hint in (("checkpoint_interval", " (0: checkpoint only at the end)"), ("num_data_workers", "")):
         if not isinstance(params.get(key, 0), int) or params.get(key, 0) < 0:
             raise UserError(f"{key} is {params.get(key)}; it must be a whole number >= 0{hint}")
-    # the UNet and ResNet stages' own YAML switches, read once here into the unified keys
-    if args.amp_mode is None and params.get("enable_amp"):
-        params.amp_mode = "fp16"
-    if args.enable_fused is None and (params.get("enable_apex") or params.get("enable_extra_opts")):
-        params.enable_fused = True
-    params.setdefault("amp_mode", "none")
-    params.setdefault("enable_fused", False)
+    if params.get("num_iters") is None and params.get("num_epochs") is None:
+        raise UserError("the config sets neither num_iters nor num_epochs; give one (or --num_iters N)")
+    if params.get("num_iters") is not None and params.num_iters < 1:
+        raise UserError(f"num_iters is {params.num_iters}; it must be at least 1")
+    if params.get("num_iters") is None and params.num_epochs < 1:
+        raise UserError(f"num_epochs is {params.num_epochs}; it must be at least 1")
     params.setdefault("enable_jit", False)
     params.setdefault("enable_nhwc", False)
     params.setdefault("enable_benchy", False)
@@ -110,16 +125,22 @@ def apply_overrides(params, args, dp_size, dp_rank):
     # cudnn autotuning: on, except where a config keeps it for its "extra opts" step (ResNet baseline)
     params.cudnn_benchmark = bool(params.get("enable_extra_opts", True))
 
+
+def set_precision(params, args):
+    """amp_mode (the UNet and ResNet stages' own YAML switches read into it), amp_enabled, amp_dtype, enable_fused."""
+    if args.amp_mode is None and params.get("enable_amp"):
+        params.amp_mode = "fp16"
+    if args.enable_fused is None and (params.get("enable_apex") or params.get("enable_extra_opts")):
+        params.enable_fused = True
+    params.setdefault("amp_mode", "none")
+    params.setdefault("enable_fused", False)
     if params.amp_mode not in AMP_DTYPES:
         raise UserError(f"amp_mode '{params.amp_mode}' is unknown; choose one of: {', '.join(AMP_DTYPES)}")
     params.update({"amp_enabled": params.amp_mode != "none", "amp_dtype": AMP_DTYPES[params.amp_mode]})
 
-    if params.get("num_iters") is None and params.get("num_epochs") is None:
-        raise UserError("the config sets neither num_iters nor num_epochs; give one (or --num_iters N)")
-    if params.get("num_iters") is not None and params.num_iters < 1:
-        raise UserError(f"num_iters is {params.num_iters}; it must be at least 1")
-    if params.get("num_iters") is None and params.num_epochs < 1:
-        raise UserError(f"num_epochs is {params.num_epochs}; it must be at least 1")
+
+def set_batch_sizes(params, args, dp_size):
+    """local_batch_size and global_batch_size over the `dp_size` data-parallel ranks (the original's rule)."""
     if args.local_batch_size is not None:
         if args.local_batch_size < 1:
             raise UserError(f"--local_batch_size is {args.local_batch_size}; it must be at least 1")
@@ -132,6 +153,10 @@ def apply_overrides(params, args, dp_size, dp_rank):
     else:
         params.local_batch_size = params.global_batch_size // dp_size
 
+
+def set_profiling_window(params, args):
+    """The epoch and length of the profiler window (--profile_epoch/--profile_iters, the UNet and ResNet stages' own
+    switches)."""
     if params.enable_benchy and args.enable_manual_profiling:
         raise UserError("Enable either benchy profiling or manual profiling, not both.")
     if args.enable_manual_profiling:
@@ -140,6 +165,9 @@ def apply_overrides(params, args, dp_size, dp_rank):
         args.profile_epoch = params.profiling_epoch_start - 1
         args.profile_iters = params.profiling_iters_per_epoch
 
+
+def set_data_paths_and_shard(params, args, dp_size, dp_rank):
+    """The config's /data paths re-rooted at --data_dir; this rank's shard of the data (one per dp rank)."""
     for key in list(params.params):
         if (key.endswith("_path") or "_path_" in key) and isinstance(params[key], str):  # also train_path_npy_data
             params[key] = reroot(params[key], params.get("data_root"), args.data_dir)

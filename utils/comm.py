@@ -4,22 +4,20 @@ torchrun sets them; under Slurm, export_DDP_vars.sh exports the same names from 
 gloo on CPUs. Process groups are kept by name: "dp" is the data-parallel group (every rank of train.py is a
 data-parallel replica, so there it is the whole world). Reductions take the group's name as an argument.
 
-A model-parallel script names its sizes: init(timeout, tp=2, cp=2, order="tp-cp-dp") lays the ranks out on a
+A model-parallel script names its sizes: init({"tp": 2, "cp": 2, "order": "tp-cp-dp"}) lays the ranks out on a
 tp x cp x dp grid (the first name of the order varies fastest; see utils/rank_generator.py) and builds the
 groups "dp", "tp", "cp", "tp-cp" and "dp-cp". Sizes that cannot work (tp x cp not dividing the world, heads or
 MLP width not dividing by tp, fewer patches than cp) are refused up front by validate_grid, in one line.
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
 import contextlib
-import datetime
 import logging
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
 
+from utils import rendezvous
 from utils.errors import UserError
 from utils.rank_generator import RankGenerator
 
@@ -161,53 +159,13 @@ def gpu_id(device):
     return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"index {device.index}"
 
 
-def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
-    """Refuse, on every rank, two ranks of one node on the same GPU (more ranks than GPUs, or a wrong
-    CUDA_VISIBLE_DEVICES): NCCL would fail later with "Duplicate GPU detected". Each rank counts itself in under its
-    node and GPU in the rendezvous store, and all wait until every rank has."""
-    host = host or socket.gethostname()
-    if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # this GPU's second claim: count the GPU once
-        store.add("gpu_claims/shared", 1)
-    store.add("gpu_claims/ranks", 1)
-    deadline = time.monotonic() + timeout
-    while store.add("gpu_claims/ranks", 0) < world_size:
-        if time.monotonic() > deadline:
-            raise UserError(f"not every rank of {world_size} reached the GPU check within {timeout:g} s; start every "
-                            "rank, or raise --dist_timeout")
-        time.sleep(0.05)
-    shared = store.add("gpu_claims/shared", 0)
-    if shared:
-        raise UserError(f"{shared} GPU(s) are shared by two or more ranks of one node (NCCL needs one GPU per rank); "
-                        "start at most as many ranks per node as it has GPUs (srun --ntasks-per-node, torchrun "
-                        "--nproc_per_node), or check CUDA_VISIBLE_DEVICES")
-
-
-def _wait_for_master(addr, port, rank, timeout):
-    """A rank other than 0 waits until rank 0's store accepts connections, or says why it gave up."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise UserError(f"rank {rank} waited {timeout:g} s for rank 0 at {addr}:{port} and nobody answered; "
-                                "start every rank (srun -n N / torchrun --nproc_per_node N) with the same "
-                                "MASTER_ADDR and MASTER_PORT, or raise --dist_timeout") from None
-            time.sleep(0.5)
-
-
-def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, *, tp=None, cp=None, order=None):
-    """Join the process group when WORLD_SIZE > 1, waiting at most `rendezvous_timeout` seconds for the other
-    ranks, and build the groups of the tp x cp x dp grid laid out in `order` (see utils/rank_generator.py).
-    The sizes and order come from the keywords, else from `params` ("tp", "cp", "order", as the original
-    `comm.init(params)`), else tp = cp = 1: every rank is one replica and "dp" is the world (train.py)."""
-    def setting(value, key, default):
-        if value is not None:
-            return value
-        return params.get(key, default) if params is not None else default
-
-    tp, cp, order = setting(tp, "tp", 1), setting(cp, "cp", 1), setting(order, "order", DEFAULT_ORDER)
+def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
+    """Join the process group when WORLD_SIZE > 1 (utils/rendezvous.py: waiting at most `rendezvous_timeout`
+    seconds for the other ranks) and build the groups of the tp x cp x dp grid. Its sizes and order come from
+    `params` ("tp", "cp", "order", as the original `comm.init(params)`; a dict will do), else tp = cp = 1: every
+    rank is one replica and "dp" is the world (train.py). Returns (world size, world rank, local rank)."""
+    params = params if params is not None else {}
+    tp, cp, order = params.get("tp", 1), params.get("cp", 1), params.get("order", DEFAULT_ORDER)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     # checked before the rendezvous, so that every rank stops at once with the same line
     dp = validate_grid(world_size, tp, cp)
@@ -215,38 +173,11 @@ def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, *, tp=None,
     _groups.clear()
     _grid.update(dp=dp, tp=tp, cp=cp, order=generator.order)
     if world_size > 1 and not dist.is_initialized():
-        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-        if missing:
-            raise UserError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with "
-                            "torchrun, or source export_DDP_vars.sh under srun")
-        rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        if rendezvous_timeout <= 0:
-            raise UserError(f"--dist_timeout is {rendezvous_timeout}; give the seconds to wait for the other ranks")
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
-                     f"(timeout {rendezvous_timeout:g} s, --dist_timeout)")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=rendezvous_timeout)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's agent hosts the store and restarts every rank after a failure; the keys of each attempt
-            # are kept apart, so a restarted rank never reads an address its dead predecessor published
-            store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        else:
-            if rank != 0:
-                _wait_for_master(addr, port, rank, rendezvous_timeout)
-            try:  # the rendezvous alone, with our timeout (init_process_group's would also bound every collective)
-                store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-            except (dist.DistError, RuntimeError) as err:  # "Timed out ... waiting for clients. 1/2 clients joined."
-                raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
-                                f"{rendezvous_timeout:g} s ({err}); start every rank, or raise "
-                                "--dist_timeout") from None
-        if backend == "nccl":
-            check_one_rank_per_gpu(store, world_size, gpu_id(device), rendezvous_timeout)
-        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                                world_size=world_size)
+        rendezvous.init_process_group(world_size, "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
+                                      rendezvous_timeout)
     if dist.is_initialized():
         _build_groups(generator)
     if get_world_rank() == 0:

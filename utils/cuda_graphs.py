@@ -5,12 +5,16 @@ optimizer); a small model, or a large one split over many GPUs, then waits on th
 the launches once and replays them with one call. The step function is the one train.py runs; it is wrapped at one
 point, GraphedStep:
 
-    check_support(params, args, device, "train.py")    # what cannot be captured ends in one line (exit code 2)
-    make_capturable(optimizer)                          # utils/optim.py: lr in a device tensor, capturable Adam
+    check_support(params, args, device, __file__)       # what cannot be captured ends in one line (exit code 2)
     stream = side_stream(device)                        # warm-up and capture run off the default stream,
-    with on_stream(stream): model = DDP(model, ...)     # and DDP is built on that stream (PyTorch's recipe)
+    enter_stream(stream)                                # and DDP is built on that stream (PyTorch's recipe)
+    model = DDP(model, ...)
+    leave_stream(stream)
     graphed_step = GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
     gen, loss = graphed_step(inp, tar)                  # copy into the static buffers, replay, clone the outputs
+
+GraphedStep first makes the optimizer capturable (utils/optim.make_capturable: the lr in a device tensor that the
+schedule fills in place, capturable Adam).
 
 A graph reads and writes fixed addresses: every batch is copied into the same static buffers, the learning rate is
 a tensor the schedule fills in place (the schedule steps outside the graph, as in train.py), and the outputs (loss,
@@ -29,6 +33,7 @@ import os
 import torch
 
 from utils.errors import UserError
+from utils.optim import make_capturable
 
 WARMUP_STEPS = 20  # eager steps before capture: the original's 20 (DDP needs at least 11, per PyTorch's notes)
 
@@ -40,8 +45,15 @@ def require_cuda(device, instead):
                         f"use {instead}, which runs the same training eagerly")
 
 
-def check_support(params, args, device, instead):
-    """Refuse, in one line each, what a captured step cannot do here."""
+def eager_script(script):
+    """The script that runs the same training eagerly: train_graph.py -> train.py, train_mp_graphs.py -> train_mp.py."""
+    name = os.path.basename(script)
+    return name.replace("_graphs.py", ".py").replace("_graph.py", ".py")
+
+
+def check_support(params, args, device, script):
+    """Refuse, in one line each, what a captured step of `script` (a graph script's __file__) cannot do here."""
+    instead = eager_script(script)
     require_cuda(device, instead)
     if params.get("model", "vit") == "resnet" or params.get("optimizer", "Adam") != "Adam":
         raise UserError(f"the captured step supports Adam (capturable) for the ViT and the UNet; the ResNet stage "
@@ -66,6 +78,19 @@ def check_support(params, args, device, instead):
 def side_stream(device):
     """The stream that DDP is built on, and that warm-up and capture run on (never the default stream)."""
     return torch.cuda.Stream(device)
+
+
+def enter_stream(stream):
+    """Make `stream` the current stream, after the work queued so far (DDP is built there: PyTorch's recipe)."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    torch.cuda.set_stream(stream)
+
+
+def leave_stream(stream):
+    """Back to the default stream; later work there waits for `stream`'s."""
+    default = torch.cuda.default_stream(stream.device)
+    torch.cuda.set_stream(default)
+    default.wait_stream(stream)
 
 
 @contextlib.contextmanager
@@ -139,6 +164,7 @@ class GraphedStep:
     the graph replayed, and its outputs returned as clones (the next replay overwrites the graph's own)."""
 
     def __init__(self, step, static_inputs, stream, model, optimizer, scaler):
+        make_capturable(optimizer)  # lr in a device tensor that the schedule fills in place; capturable Adam
         self.static_inputs = tuple(static_inputs)
         logging.info(f"Capturing the training step in a CUDA graph ({WARMUP_STEPS} warm-up steps on a side stream; "
                      f"static buffers {[tuple(t.shape) for t in self.static_inputs]})")

@@ -15,11 +15,6 @@ def weighted_rmse_channels(pred, target):
     return torch.sqrt(torch.mean(weight * (pred.float() - target.float()) ** 2, dim=(-1, -2)))
 
 
-def weighted_rmse(pred, target):
-    """(C,): weighted RMSE per channel, averaged over the batch."""
-    return torch.mean(weighted_rmse_channels(pred, target), dim=0)
-
-
 def era5_valid_metrics(pred, target):
     """Per-sample values to average over the validation set, keyed by TensorBoard tag."""
     return {"RMSE(u10m)/valid": weighted_rmse_channels(pred, target)[:, 0]}

@@ -155,8 +155,10 @@ class WarmupThenPlateau:
         self._warmup_lr()
 
     def end_epoch(self, val_loss):
-        """After the validation of an epoch: past warm-up, lower the lr when the loss stalls."""
-        if math.ceil(self.last_epoch / self.steps_per_epoch) > self.warmup_epochs:
+        """After the validation of an epoch: past warm-up, lower the lr when the loss stalls (whole epochs only:
+        not after a run's shorter last one)."""
+        epochs_done, rest = divmod(self.last_epoch, self.steps_per_epoch)
+        if rest == 0 and epochs_done > self.warmup_epochs:
             with lr_tensors_kept(self.optimizer):
                 self.plateau.step(val_loss)
 
@@ -166,6 +168,13 @@ class WarmupThenPlateau:
     def load_state_dict(self, state):
         self.last_epoch = state["last_epoch"]
         self.plateau.load_state_dict(state["plateau"])
+
+
+class PerIterationSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """lr = initial lr x factor(iteration), stepped every iteration."""
+
+    def end_epoch(self, val_loss):
+        """Nothing: only the plateau schedule listens to the validation loss."""
 
 
 def get_lr_scheduler(params, optimizer, steps_per_epoch):
@@ -183,4 +192,5 @@ def get_lr_scheduler(params, optimizer, steps_per_epoch):
     else:
         raise UserError(f"lr_schedule '{name}' is unknown; choose one of: cosine, constant, plateau, "
                         "or a map {scaling, start_lr, end_lr, warmup_steps}")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return PerIterationSchedule(optimizer, factor)
+

@@ -4,12 +4,13 @@ train.py (data parallel), train_mp.py (model parallel) and train_graph.py (CUDA 
 setup -> data -> model, optimizer, resume -> wrap -> step function -> loop -> finish. What they share lives here
 and takes what differs as arguments (the process group's name, the model's state, the step's outputs); nothing
 here knows which script calls it. Reductions of losses and metrics run over the data-parallel group "dp".
+
+The loop's decisions live in one place, Milestones: an epoch ends (report, validate), a checkpoint is due, the run
+stops. The epoch's sums, clock, progress line and nan check live in EpochMeter.
 """
-import fcntl
 import logging
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -20,9 +21,10 @@ from torch.utils.tensorboard import SummaryWriter
 from utils import comm
 from utils.checkpoint import get_rng_states, load_checkpoint, load_model_state, save_checkpoint, set_rng_states
 from utils.cli import apply_overrides
-from utils.errors import UserError, register_cleanup
+from utils.errors import UserError
 from utils.logging_utils import config_logger, log_to_file
 from utils.plots import get_figure
+from utils.run_lock import RunDirectoryLock
 from utils.YParams import YParams
 
 NONFINITE_CHECK_EVERY = 50  # iterations between checks of the training loss (each costs one device sync)
@@ -34,42 +36,6 @@ def load_config(args):
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:  # torch.distributed.launch's --local-rank
         os.environ["LOCAL_RANK"] = str(args.local_rank)
     return YParams(args.yaml_config, args.config)
-
-
-class RunDirectoryLock:
-    """An flock on <run dir>/run.lock held while a run uses the directory. The kernel drops it when the process
-    dies, however it dies, so a killed run never blocks the next start."""
-
-    def __init__(self, exp_dir):
-        self.path = os.path.join(exp_dir, "run.lock")
-        self.file = open(self.path, "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
-            self.file.close()
-            raise UserError(f"run directory '{exp_dir}' is in use by {holder}; wait for that run to end, or "
-                            "choose another --run_num or --expdir") from None
-        except OSError as err:  # a file system without locks: run, but say so
-            logging.warning(f"cannot lock '{self.path}' ({err}); make sure no other run uses this directory")
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"process {os.getpid()} on {socket.gethostname()} "
-                        f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
-        self.file.flush()
-        register_cleanup(self.release)
-        # a forked child (a loader worker) would share the lock and keep it after this process is killed
-        os.register_at_fork(after_in_child=self._close_in_child)
-
-    def _close_in_child(self):
-        if not self.file.closed:
-            self.file.close()  # closes the child's copy only; the lock stays with the parent
-
-    def release(self):
-        if not self.file.closed:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
 
 
 @dataclass
@@ -147,6 +113,45 @@ def set_run_length(params, steps_per_epoch):
         logging.info(f"{params.num_epochs} epochs of {steps_per_epoch} steps: num_iters {params.num_iters}")
 
 
+class Milestones:
+    """The loop's decisions, in one place: when an epoch ends (report and validate), when a checkpoint is due, and
+    when to stop (the last iteration, --stop_at_iter, --desired_acc)."""
+
+    def __init__(self, params, args, steps_per_epoch):
+        self.steps_per_epoch = steps_per_epoch
+        self.num_iters = params.num_iters
+        self.stop_iter = min(params.num_iters, args.stop_at_iter or params.num_iters)
+        self.interval = params.checkpoint_interval
+        self.desired_acc = args.desired_acc
+
+    def epoch_ends(self, iters):
+        """The epoch's last iteration, or the run's (a shorter last epoch is reported too)."""
+        return iters % self.steps_per_epoch == 0 or iters == self.num_iters
+
+    def stop(self, iters, val_means=None):
+        """True once the loop is to stop after `iters` iterations (saying why when the run is not done)."""
+        if iters >= self.num_iters:
+            return True
+        if iters >= self.stop_iter:
+            logging.info(f"Stopped at iteration {iters} (--stop_at_iter); starting again resumes here")
+            return True
+        if self.desired_acc is not None and val_means and val_means["Accuracy/top1/valid"] >= self.desired_acc:
+            logging.info(f"Reached the desired validation accuracy {self.desired_acc} at iteration {iters}; stopping")
+            return True
+        return False
+
+    def checkpoint_due(self, iters):
+        """Every checkpoint_interval iterations (0: only when the run stops)."""
+        return bool(self.interval) and iters % self.interval == 0
+
+
+def devices_in_use(args, device):
+    """Devices sharing the model's FLOPs: one per rank, or every visible GPU under DataParallel (--parallel dp)."""
+    if args.parallel == "dp" and device.type == "cuda":
+        return torch.cuda.device_count()
+    return comm.get_world_size()
+
+
 def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_state, load_optimizer=None):
     """Load the run's checkpoint (if any) into model, optimizer, schedule and scaler and set this rank's RNG.
     Returns (start iteration, partial sums of the interrupted epoch or None). `load_model(model, state, path)`
@@ -187,27 +192,58 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
 
 
 class EpochMeter:
-    """Training loss and metrics of the current epoch. Per-step values stay on the device (no sync per step);
-    the epoch's mean is over its steps and the data-parallel group. The partial sums go into checkpoints, so an
-    epoch interrupted and resumed reports exactly what an uninterrupted one does."""
+    """Training loss and metrics of the current epoch, its clock, and the ResNet stage's progress line. Per-step
+    values stay on the device (no sync per step); the epoch's mean is over its steps and the data-parallel group.
+    The partial sums go into checkpoints, so an epoch interrupted and resumed reports exactly what an uninterrupted
+    one does. Every NONFINITE_CHECK_EVERY iterations the losses are checked for nan/inf (one device sync)."""
 
-    def __init__(self, device, loader, group="dp"):
+    def __init__(self, device, loader, params=None, group="dp"):
         self.device, self.loader, self.group = device, loader, group
-        self.start()
+        self.log_freq = params.get("log_freq") if params else None
+        self.global_batch_size = params.global_batch_size if params else None
+        self._reset(0, None)
 
-    def start(self, partial=None):
-        """A new epoch (or the rest of one: `partial` = the sums a checkpoint kept)."""
-        self.losses, self.metrics, self.checked = [], [], 0
-        self.prior = partial or {"steps": 0, "sums": {}}
+    def _reset(self, iteration, partial):
+        self.losses, self.metrics, self.checked, self.iteration = [], [], 0, iteration
+        inside_epoch = self.loader is not None and iteration % len(self.loader)
+        self.prior = partial if partial and inside_epoch else {"steps": 0, "sums": {}}
+
+    def start(self, iteration=0, partial=None):
+        """A new epoch at `iteration` (iterations done so far), or the rest of one: `partial` = the sums a
+        checkpoint kept, used when `iteration` falls inside an epoch. Waits for the device and starts the clock."""
+        self._reset(iteration, partial)
+        comm.synchronize(self.device)
+        self.start_time = self.report_time = time.time()
 
     def add(self, loss, metrics):
+        """One step's loss and training metrics."""
         self.losses.append(loss.detach())
         self.metrics.append({tag: value.detach().float().mean() for tag, value in metrics.items()})
+        self.iteration += 1
+        if self.log_freq:
+            self._progress_line()
+        if self.iteration % NONFINITE_CHECK_EVERY == 0:
+            self.stop_if_not_finite(self.iteration)
+
+    def _progress_line(self):
+        """The ResNet stage's line every log_freq steps of an epoch: images per second since the last one."""
+        epoch, step = divmod(self.iteration - 1, len(self.loader))
+        if step % self.log_freq == 0:
+            comm.synchronize(self.device)
+            now, steps = time.time(), min(self.log_freq, self.steps)
+            logging.info(f"Epoch: {epoch + 1}, Iteration: {step}, "
+                         f"Avg img/sec: {steps * self.global_batch_size / (now - self.report_time):.2f}")
+            self.report_time = now
 
     @property
     def steps(self):
         """Steps run since start() (this process's part of the epoch)."""
         return len(self.losses)
+
+    def seconds(self):
+        """Seconds since start(), once the device has finished its work."""
+        comm.synchronize(self.device)
+        return time.time() - self.start_time
 
     def state_dict(self):
         """{"steps", "sums"}: sums over the epoch's steps of the data-parallel mean (collective)."""
@@ -265,17 +301,20 @@ class AutocastForward(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-def set_train_mode(model, freeze_bn):
-    """model.train(); with `freeze_bn` the BatchNorm layers stay in eval mode (running statistics, no updates)."""
+def set_train_mode(model, params):
+    """model.train(); with the config's `freeze_bn` (ResNet stage) the BatchNorm layers stay in eval mode (running
+    statistics, no updates)."""
     model.train()
-    if freeze_bn:
+    if params.get("freeze_bn", False):
         for module in model.modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
                 module.eval()
 
 
 def validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast, group="dp"):
-    """Mean loss and metrics over the whole validation set (all ranks of `group`), and the last batch for a figure."""
+    """(mean loss and metrics over the whole validation set and all ranks of `group`, the last batch for a figure,
+    seconds taken)."""
+    start = time.time()
     model.eval()
     sums = None
     # no_grad, not inference_mode: torch 2.5's gloo all-gather (cp) fills its outputs on another thread, where an
@@ -294,7 +333,7 @@ def validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast, grou
     totals = comm.all_reduce_sum(torch.stack(list(sums.values())), group)
     means = {key: (total / totals[1]).item() for key, total in zip(sums, totals)}
     del means["count"]
-    return means, (inp, tar, gen)
+    return means, (inp, tar, gen), time.time() - start
 
 
 def open_tensorboard(run, start_iter):
@@ -322,13 +361,18 @@ def log_step0(run, model, first_batch, valid_loader, to_device, loss_fn, metrics
             run.writer.add_scalar(tag, value, 0)
 
 
-def log_training_epoch(run, epoch, iters, seconds, steps, train_means, lr, achieved_per_device, peak):
-    """The tutorial's end-of-epoch lines and TensorBoard points for training (rank 0)."""
+def log_training_epoch(run, meter, iters, optimizer, flops_per_device_sample, peak):
+    """The tutorial's end-of-epoch lines and TensorBoard points for training (rank 0); returns the epoch's means
+    (collective: every rank of the meter's group calls it). A nan/inf loss stops the run here (stop_if_not_finite)."""
+    meter.stop_if_not_finite(iters)
+    seconds, steps, train_means = meter.seconds(), meter.steps, meter.means()
+    epoch = (iters - 1) // len(meter.loader)
+    lr = optimizer.param_groups[0]["lr"]
     iters_per_sec = steps / seconds
     samples_per_sec = run.params.global_batch_size * iters_per_sec
     logging.info(f"Time taken for epoch {epoch + 1} is {seconds:f} sec, avg {samples_per_sec:f} samples/sec")
     logging.info(f"  Avg train loss={train_means['Loss/train']:f}")
-    achieved = achieved_per_device(samples_per_sec)
+    achieved = flops_per_device_sample * samples_per_sec
     logging.info(f"  Throughput per device: {achieved / 1e12:.4f} TFLOP/s, MFU {100 * peak.mfu(achieved):.1f}%")
     if run.writer is not None:
         run.writer.add_scalar("Loss/train", train_means["Loss/train"], iters)
@@ -338,6 +382,7 @@ def log_training_epoch(run, epoch, iters, seconds, steps, train_means, lr, achie
         for tag, value in train_means.items():
             if tag != "Loss/train":
                 run.writer.add_scalar(tag, value, iters)
+    return train_means
 
 
 def log_validation(run, iters, val_means, val_batch, seconds, train_means):

@@ -1,15 +1,15 @@
-"""Command line of the sample-data generators: `python -m utils.sample_data era5|cosmo|cifar100|imagefolder`."""
+"""Command line of the sample-data generators: `python -m sample_data era5|cosmo|cifar100|imagefolder`."""
 import sys
 
-import utils.sample_data
+import sample_data
+from sample_data.cosmo import add_cosmo_parser
+from sample_data.era5 import add_era5_parser
+from sample_data.images import add_cifar100_parser, add_imagefolder_parser
 from utils.errors import ArgumentParser, UserError
-from utils.sample_data.cosmo import add_cosmo_parser
-from utils.sample_data.era5 import add_era5_parser
-from utils.sample_data.images import add_cifar100_parser, add_imagefolder_parser
 
 
 def build_parser():
-    parser = ArgumentParser(prog="python -m utils.sample_data", description=utils.sample_data.__doc__)
+    parser = ArgumentParser(prog="python -m sample_data", description=sample_data.__doc__)
     subparsers = parser.add_subparsers(dest="dataset", required=True)
     add_era5_parser(subparsers)
     add_cosmo_parser(subparsers)

@@ -1,7 +1,7 @@
 """Write small, learnable image-classification data sets in the real on-disk formats.
 
-`python -m utils.sample_data cifar100 --out data/cifar100` writes `cifar-100-python/{train,test,meta}`,
-the pickles torchvision.datasets.CIFAR100 reads; `python -m utils.sample_data imagefolder --out DIR`
+`python -m sample_data cifar100 --out data/cifar100` writes `cifar-100-python/{train,test,meta}`,
+the pickles torchvision.datasets.CIFAR100 reads; `python -m sample_data imagefolder --out DIR`
 writes `DIR/{train,val}/<class>/*.png` for torchvision.datasets.ImageFolder.
 
 Every class is one combination of a shape (10) and a colour (10), drawn with random position, size,
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from sample_data.common import SampleDataError
 from utils.atomic import write_bytes
-from utils.sample_data.common import SampleDataError
 
 # The 100 fine classes of CIFAR-100 in label order (meta[b'fine_label_names']).
 CIFAR100_FINE_NAMES = [
@@ -196,8 +196,8 @@ def write_cifar100(out_dir, train_per_class=50, test_per_class=10, seed=0, overw
     loader checks instead. Raises SampleDataError on bad sizes or existing data (unless overwrite).
     Returns the folder that holds `cifar-100-python` (pass it as data_path).
     """
-    # the reader owns the file names; imported here so `python -m utils.sample_data` does not load torch
-    from utils.data_loader_images import CIFAR100_FILES, CIFAR100_MANIFEST
+    # the reader owns the file names; imported here so `python -m sample_data` does not load torch
+    from loaders.images import CIFAR100_FILES, CIFAR100_MANIFEST
 
     _check_counts(train_per_class=train_per_class, test_per_class=test_per_class)
     if seed < 0:
@@ -238,7 +238,7 @@ def write_cifar100(out_dir, train_per_class=50, test_per_class=10, seed=0, overw
     write_bytes(folder / "meta", meta)
     md5["meta"] = hashlib.md5(meta).hexdigest()
 
-    manifest = {"generator": "utils.sample_data.images.write_cifar100", "seed": seed,
+    manifest = {"generator": "sample_data.images.write_cifar100", "seed": seed,
                 "train_per_class": train_per_class, "test_per_class": test_per_class, "md5": md5}
     write_bytes(folder / CIFAR100_MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
     if verbose:

@@ -1,6 +1,6 @@
 """Sample cosmology boxes in the sc21 tutorial's on-disk layout (N-body input -> hydro target).
 
-`python -m utils.sample_data cosmo --out DIR` writes DIR/downsamp_2048crop_train.h5 and
+`python -m sample_data cosmo --out DIR` writes DIR/downsamp_2048crop_train.h5 and
 DIR/downsamp_1024crop_valid.h5, each with float32 datasets "Nbody" (4, L, L, L) and "Hydro" (5, L, L, L),
 plus the channels-last .npy copies the DALI loader reads.
 
@@ -17,9 +17,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from sample_data.common import SampleDataError
 from utils.atomic import atomic_path
-from utils.convert_to_npy import convert
-from utils.sample_data.common import SampleDataError
 
 TRAIN_FILE = "downsamp_2048crop_train.h5"
 VALID_FILE = "downsamp_1024crop_valid.h5"
@@ -113,6 +112,10 @@ def write_cosmo(out_dir, train_size=64, valid_size=48, seed=0, npy=True, overwri
     Holds a whole box in memory (about 150 bytes per voxel). Raises SampleDataError on bad sizes, or if
     out_dir already holds a cosmology data set and overwrite is False.
     """
+    # imported here: the package imports this module, and `python -m sample_data.convert_to_npy` must find its
+    # module not yet imported (runpy warns otherwise)
+    from sample_data.convert_to_npy import convert
+
     _check_cosmo_args(train_size, valid_size, seed)
     out_dir = Path(out_dir)
     existing = [name for name in (TRAIN_FILE, VALID_FILE) if (out_dir / name).exists()]

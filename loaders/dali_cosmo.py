@@ -1,7 +1,7 @@
 """NVIDIA DALI loader for the cosmology boxes (`--data_loader_config dali-lowmem`): ROI reads of the .npy copies.
 
 The pipeline, per sample:
-  1. an external source gives the crop window and the turn of the sample from `crop_plan` (utils/data_loader_cosmo.py:
+  1. an external source gives the crop window and the turn of the sample from `crop_plan` (loaders/cosmo.py:
      the function the PyTorch loader takes its crops from too), for the key the sampler puts at that place;
   2. DALI's numpy reader (`fn.readers.numpy`) reads only that window (`roi_start`, `roi_end`, `roi_axes` [0, 1, 2])
      of the channels-last `<basename>_data.npy` and `<basename>_label.npy` (D, H, W, C): the box is never loaded;
@@ -19,8 +19,8 @@ import itertools
 
 import numpy as np
 
-from utils.data_loader_cosmo import plan_turn
-from utils.data_loader_dali import PipelineLoader, SamplerSource
+from loaders.common import PipelineLoader, SamplerSource, sharded_sampler, split_batch_size
+from loaders.cosmo import CosmoDataset, plan_turn
 
 # A per-sample permutation of the spatial axes through one fixed transpose. Reshape the (D, H, W, C) crop to a
 # 6-D view (s0, s1, s2, s3, s4, C) in which three of the five slots hold D, H, W in that order (their memory
@@ -90,7 +90,7 @@ class CosmoDALILoader(PipelineLoader):
     same mode (it checks the .npy files and reads the step-0 batch with numpy)."""
     config = "dali-lowmem"
 
-    def _pipeline(self, first_epoch, first_skip):
+    def build_pipeline(self, first_epoch, first_skip):
         args = (self.dataset, self.sampler, self.batch_size, self.steps, first_epoch, first_skip)
         options = dict(batch_size=self.batch_size, num_threads=max(1, self.workers), device_id=self.device_id,
                        seed=self.seed, prefetch_queue_depth=2)
@@ -101,3 +101,11 @@ class CosmoDALILoader(PipelineLoader):
     @property
     def sample_shape(self):
         return (self.dataset.n_in_channels, *(self.dataset.crop_size,) * 3)
+
+
+def dali_cosmo_loader(params, train):
+    """The DALI loader of one split of the cosmology crops; the dataset, a CosmoDataset in dali-lowmem mode, checks
+    the .npy copies first."""
+    dataset = CosmoDataset(params, train)
+    return CosmoDALILoader(params, dataset, sharded_sampler(params, dataset, train), split_batch_size(params, train),
+                           train)

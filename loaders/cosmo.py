@@ -2,7 +2,7 @@
 
 Every item is a random crop: the dataset length `Nsamples` sets the epoch length, and sample `index` of `epoch`
 is the crop `crop_plan(seed, train, epoch, index, ...)` names (corner, rotation, flips). That pure function is the
-one place crops come from: this dataset and the DALI loader (utils/data_loader_dali_cosmo.py) both apply it, so
+one place crops come from: this dataset and the DALI loader (loaders/dali_cosmo.py) both apply it, so
 they return the same arrays; the crops do not depend on the number of loader workers, differ between
 data-parallel ranks (each reads its own shard of the indices) and between epochs, and a resumed run sees the same
 crops as an uninterrupted one. Validation crops depend on the index only: the same set every epoch.
@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.data_loader import ResumableSampler, _batch_buffer
+from loaders.common import ResumableSampler, batch_buffer, torch_loader
 from utils.errors import UserError
 
-COSMO_HINT = ("generate sample data with `python -m utils.sample_data cosmo --out data/cosmo` "
+COSMO_HINT = ("generate sample data with `python -m sample_data cosmo --out data/cosmo` "
               "and pass --data_dir data/cosmo")
-NPY_HINT = ("the DALI loader reads the channels-last .npy copies: write them with `python -m utils.convert_to_npy "
-            "-i FILE.h5 -d Nbody -l Hydro -o DIR` (the sample-data generator writes them too), or use "
-            "--data_loader_config lowmem")
+NPY_HINT = ("the DALI loader reads the channels-last .npy copies: write them with "
+            "`python -m sample_data.convert_to_npy -i FILE.h5 -d Nbody -l Hydro -o DIR` (the sample-data generator "
+            "writes them too), or use --data_loader_config lowmem")
 LOADER_MODES = ("synthetic", "inmem", "lowmem", "dali-lowmem")
 INPUT_FIELD, TARGET_FIELD = "Nbody", "Hydro"
 # first words of the RNG seeds: training, validation and synthetic draws never share a stream
@@ -145,7 +145,7 @@ class CropSampler(ResumableSampler):
 class CosmoDataset(Dataset):
     """Items (inp (N_in, d, d, d), tar (N_out, d, d, d)) float32: the same crop and augmentation for both.
     Keys are (epoch, index) (CropSampler); a plain index i means (0, i)."""
-    sampler_class = CropSampler  # utils.data_loader.get_data_loader shards and shuffles with it
+    sampler_class = CropSampler  # loaders.common.sharded_sampler shards and shuffles with it
 
     def __init__(self, params, train):
         self.train = train
@@ -326,8 +326,8 @@ class CosmoDataset(Dataset):
         its slot of one buffer per output (shared memory in a loader worker), no per-sample arrays and no collate
         copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items stacked (tested)."""
         d = self.crop_size
-        tensors = [_batch_buffer((len(keys), channels, d, d, d)) for channels in (self.n_in_channels,
-                                                                                 self.n_out_channels)]
+        tensors = [batch_buffer((len(keys), channels, d, d, d)) for channels in (self.n_in_channels,
+                                                                                self.n_out_channels)]
         batches = [tensor.numpy() for tensor in tensors]
         for row, key in enumerate(keys):
             plan = self.plan(key)
@@ -363,3 +363,8 @@ class CosmoDataset(Dataset):
         state["file"] = None  # an open h5py file cannot be pickled to worker processes (spawn)
         state["scratch"] = state["memmaps"] = None  # each process makes its own
         return state
+
+
+def cosmo_loader(params, train):
+    """The PyTorch loader of one split of the cosmology crops (`--data_loader_config synthetic|inmem|lowmem`)."""
+    return torch_loader(params, CosmoDataset(params, train), train)

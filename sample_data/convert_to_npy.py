@@ -1,6 +1,6 @@
 """Convert a cosmology HDF5 box to the channels-last .npy pair the DALI loader reads.
 
-    python -m utils.convert_to_npy -i downsamp_2048crop_train.h5 -d Nbody -l Hydro [-o OUT_DIR]
+    python -m sample_data.convert_to_npy -i downsamp_2048crop_train.h5 -d Nbody -l Hydro [-o OUT_DIR]
 
 writes OUT_DIR/downsamp_2048crop_train_data.npy (D, H, W, 4) and ..._label.npy (D, H, W, 5).
 """
@@ -65,7 +65,7 @@ def convert(h5_path, data_field, label_field, out_dir="."):
 
 @exit_on_user_error
 def main(argv=None):
-    parser = ArgumentParser(prog="python -m utils.convert_to_npy", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m sample_data.convert_to_npy", description=__doc__.splitlines()[0])
     parser.add_argument("-i", "--input_file", required=True, help="HDF5 file with channels-first datasets")
     parser.add_argument("-d", "--data_field", required=True, help="input dataset name (e.g. Nbody)")
     parser.add_argument("-l", "--label_field", required=True, help="target dataset name (e.g. Hydro)")

@@ -1,6 +1,6 @@
 """Synthetic ERA5 data: HDF5 year files (train/valid/test) + stats, in the layout the ViT tutorial reads.
 
-`python -m utils.sample_data era5 --out DIR` writes the files; `persistence_error` is the baseline a trained
+`python -m sample_data era5 --out DIR` writes the files; `persistence_error` is the baseline a trained
 model has to beat.
 """
 import shutil
@@ -11,8 +11,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from sample_data.common import SampleDataError
 from utils.atomic import atomic_path
-from utils.sample_data.common import SampleDataError
 
 # FourCastNet channel order of the real ERA5 files (index = channel in `fields`).
 ERA5_CHANNELS = [

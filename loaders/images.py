@@ -1,6 +1,7 @@
 """Image-classification datasets: CIFAR-100 (torchvision's pickles) and ImageFolder (ImageNet layout).
 
-Datasets only; utils/data_loader.py wraps them in a DataLoader with a DistributedSampler.
+`image_loader` wraps them in the PyTorch loader every data set shares (loaders/common.py: a DataLoader over the
+resumable DistributedSampler).
 """
 import json
 import os
@@ -11,6 +12,8 @@ from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.datasets.utils import calculate_md5, check_integrity
 
+from loaders.common import torch_loader
+from utils import comm
 from utils.errors import UserError
 
 CIFAR100_FILES = ("train", "test", "meta")
@@ -19,9 +22,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR_IMAGE_VALUES = 3 * 32 * 32
 # configs read <data_dir>/cifar-100-python and <data_dir>/{train,val} (data_root '/data' re-rooted)
-CIFAR100_HINT = ("generate sample data with `python -m utils.sample_data cifar100 --out data/cifar100` "
+CIFAR100_HINT = ("generate sample data with `python -m sample_data cifar100 --out data/cifar100` "
                  "and pass --data_dir data/cifar100")
-IMAGEFOLDER_HINT = ("generate sample data with `python -m utils.sample_data imagefolder --out data/imagefolder` "
+IMAGEFOLDER_HINT = ("generate sample data with `python -m sample_data imagefolder --out data/imagefolder` "
                     "and pass --data_dir data/imagefolder")
 
 
@@ -159,3 +162,13 @@ def sample_shape(params):
     if params.dataset == "imagefolder":
         return (3, params.img_size, params.img_size)
     raise UserError(f"dataset '{params.dataset}' is not an image data set; choose cifar100 or imagefolder")
+
+
+def image_loader(params, train):
+    """The PyTorch loader of one split of CIFAR-100 or an image folder (any `data_loader_config`)."""
+    # rank 0 first: it may download CIFAR-100 (when the config allows); if it fails, every rank stops
+    # with its message instead of waiting for it forever
+    dataset = comm.on_rank0(lambda: get_image_dataset(params, train, download_ok=True))
+    if dataset is None:
+        dataset = get_image_dataset(params, train, download_ok=False)
+    return torch_loader(params, dataset, train)

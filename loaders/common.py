@@ -1,0 +1,250 @@
+"""What every loader shares: the resumable sampler, batch plumbing, the PyTorch loader and the base of the DALI ones.
+
+The training loop sees every loader through one interface (`TorchLoader` here for the PyTorch loaders,
+`PipelineLoader` for the DALI ones): iterate one epoch's batches, len() = steps per epoch, set_epoch(epoch, skip)
+to start an epoch after `skip` steps (exact resume), sample_shape, first_batch() for the step-0 values,
+describe(epoch, step) to name the samples of a batch in error messages. Both take the order of the samples from
+the same sampler (`sharded_sampler`: a seed shared by every rank, reshuffled per epoch, a disjoint shard per
+data-parallel rank), so a DALI loader returns the PyTorch loader's batches.
+This module imports no other loader module (loaders/era5.py, cosmo.py, images.py, dali_*.py import it).
+"""
+import copy
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, default_collate, get_worker_info
+
+from utils.errors import UserError
+
+DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
+TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through (resume at the same data position)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch, skip=0):
+        """Order of `epoch`; the first `skip` of this rank's samples are left out."""
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+
+def split_batch_size(params, train):
+    """Samples per batch on this rank: the local batch size, for validation `valid_batch_size_per_gpu` if set."""
+    return params.local_batch_size if train else params.get("valid_batch_size_per_gpu", params.local_batch_size)
+
+
+def sharded_sampler(params, dataset, train):
+    """The sampler of one split, sharded over the data-parallel ranks (the dataset's `sampler_class` if it has one:
+    the cosmology crops' keys are (epoch, index)). Always a sampler, also on one rank: the shuffle order is then a
+    function of (seed, epoch)."""
+    if train and len(dataset) < params.local_batch_size * params.data_num_shards:
+        raise UserError(f"the training data has {len(dataset)} samples, fewer than one global batch of "
+                        f"{params.local_batch_size * params.data_num_shards}; lower the batch size")
+    sampler_class = getattr(dataset, "sampler_class", ResumableSampler)
+    return sampler_class(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
+                         shuffle=train, seed=params.seed, drop_last=train)
+
+
+def batch_buffer(shape):
+    """A float32 tensor to read a batch into. In the main process a numpy allocation (numpy asks for huge pages
+    for large arrays: 4x fewer page faults than torch.empty here); in a loader worker, shared memory already, so
+    that handing the batch to the main process copies nothing (as default_collate does for what it stacks)."""
+    if get_worker_info() is None:
+        return torch.from_numpy(np.empty(shape, dtype=np.float32))
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
+    return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+
+
+def batch_indices(sampler, batch_size, epoch, step):
+    """The sample indices of batch `step` of `epoch` on this rank (the sampler's own position is kept)."""
+    saved = (sampler.epoch, sampler.skip)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    sampler.set_epoch(saved[0], skip=saved[1])
+    return order[step * batch_size:(step + 1) * batch_size]
+
+
+def probe_copy(dataset):
+    """A copy of a dataset for looking at samples (step 0, shapes) that opens its own files: handles opened here
+    must not reach the training copy or a loader's workers. (Samples are functions of their keys, so looking
+    draws nothing from any training stream.)"""
+    probe = copy.copy(dataset)
+    if hasattr(probe, "files"):
+        probe.files = [None] * len(probe.files)
+    return probe
+
+
+def read_first_batch(dataset, sampler, batch_size):
+    """Batch 0 of epoch 0 of this rank, read from a probe copy (nothing the loader will deliver is consumed)."""
+    probe, indices = probe_copy(dataset), batch_indices(sampler, batch_size, 0, 0)
+    if hasattr(probe, "__getitems__"):
+        return probe.__getitems__(indices)
+    return default_collate([probe[i] for i in indices])
+
+
+class TorchLoader:
+    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses."""
+
+    def __init__(self, dataset, sampler, loader):
+        self.dataset, self.sampler, self.loader = dataset, sampler, loader
+        self.batch_size = loader.batch_size
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        """Steps in a whole epoch (also right after set_epoch(epoch, skip))."""
+        return len(self.loader)
+
+    def set_epoch(self, epoch, skip=0):
+        """Next iteration gives the batches of `epoch` (its shuffle order), leaving out its first `skip` steps."""
+        self.sampler.set_epoch(epoch, skip=skip * self.batch_size)
+
+    @property
+    def sample_shape(self):
+        """Shape of one input sample, e.g. (C, H, W)."""
+        return tuple(probe_copy(self.dataset)[0][0].shape)
+
+    def first_batch(self):
+        """The first batch of epoch 0, as the loop will see it (for the step-0 values)."""
+        return read_first_batch(self.dataset, self.sampler, self.batch_size)
+
+    def describe(self, epoch, step):
+        """The samples of batch `step` of `epoch` on this rank, by file where the dataset can tell."""
+        indices = batch_indices(self.sampler, self.batch_size, epoch, step)
+        if hasattr(self.dataset, "describe"):
+            return self.dataset.describe(indices)
+        return f"sample indices {', '.join(map(str, indices))}"
+
+
+def torch_loader(params, dataset, train):
+    """The PyTorch loader (TorchLoader) of one split of `dataset`, sharded over the data-parallel ranks."""
+    batch_size = split_batch_size(params, train)
+    sampler = sharded_sampler(params, dataset, train)
+    workers = params.num_data_workers
+    # datasets that read whole batches (ERA5, cosmology: __getitems__) hand them on without a collate copy
+    collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
+    # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
+    # follows the same sequence as an uninterrupted one
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                        num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
+                        persistent_workers=workers > 0, worker_init_fn=_seed_worker,
+                        generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
+    return TorchLoader(dataset, sampler, loader)
+
+
+def _batched_already(batch):
+    return batch
+
+
+def _seed_worker(worker_id):
+    np.random.seed(torch.initial_seed() % (2**32 - 1))
+
+
+# --- the parts every DALI loader shares (loaders/dali_era5.py, loaders/dali_cosmo.py) ---
+
+def _import_dali(config):
+    try:
+        import nvidia.dali as dali
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    except ImportError as err:
+        raise UserError(f"data_loader_config '{config}' needs NVIDIA DALI, which cannot be imported ({err}); "
+                        f"use --data_loader_config {TORCH_LOADERS[config]}, or {DALI_HINT}") from None
+    return dali, DALIGenericIterator, LastBatchPolicy
+
+
+class SamplerSource:
+    """The base of a per-sample external-source callback: sample `idx_in_epoch` of DALI's epoch `epoch_idx` is the
+    sampler's key at that place in epoch `first_epoch + epoch_idx`, after the `first_skip` steps skipped in the
+    first epoch (exact resume). The callback may run in DALI's worker processes: it holds only picklable state."""
+
+    def __init__(self, sampler, batch_size, steps_per_epoch, first_epoch, first_skip):
+        self.sampler = copy.copy(sampler)  # its own: set_epoch here must not move the loader's sampler
+        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
+        self.first_epoch, self.first_skip = first_epoch, first_skip
+        self.order_epoch, self.order = None, None
+
+    def _order(self, epoch):
+        if epoch != self.order_epoch:
+            self.sampler.set_epoch(epoch)
+            self.order, self.order_epoch = list(self.sampler), epoch
+        return self.order
+
+    def key(self, sample_info):
+        """The sampler key of this sample; StopIteration after the epoch's last step."""
+        skip = self.first_skip if sample_info.epoch_idx == 0 else 0
+        if sample_info.iteration >= self.steps_per_epoch - skip:
+            raise StopIteration
+        order = self._order(self.first_epoch + sample_info.epoch_idx)
+        position = skip * self.batch_size + sample_info.idx_in_epoch
+        return order[min(position, len(order) - 1)]  # a last partial batch is padded, then trimmed by the iterator
+
+
+class PipelineLoader:
+    """The loop's view of a DALI pipeline: the same interface as TorchLoader. Subclasses say how to build the
+    pipeline (`build_pipeline(first_epoch, first_skip)`), which data_loader_config they serve (`config`) and the
+    sample shape. Epoch length, drop_last and validation's last partial batch follow the PyTorch loader; looking
+    at the first batch (step 0) does not consume it."""
+    config = None  # the data_loader_config it serves
+
+    def __init__(self, params, dataset, sampler, batch_size, train):
+        self.dali, self.iterator_class, self.last_batch_policy = _import_dali(self.config)
+        self.dataset, self.sampler, self.batch_size, self.train = dataset, sampler, batch_size, train
+        self.workers = params.num_data_workers
+        self.seed = params.seed
+        self.steps = len(sampler) // batch_size if train else math.ceil(len(sampler) / batch_size)
+        self.device_id = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.epoch, self.skip = 0, 0
+        self.iterator, self.expected, self.exhausted = None, None, True
+
+    def __len__(self):
+        return self.steps
+
+    def set_epoch(self, epoch, skip=0):
+        self.epoch, self.skip = epoch, skip
+
+    def build_pipeline(self, first_epoch, first_skip):
+        """A DALI pipeline whose first epoch is `first_epoch`, after `first_skip` steps (subclasses)."""
+        raise NotImplementedError
+
+    def _restart(self):
+        """A pipeline whose first epoch is self.epoch, after self.skip steps, and DALI's iterator over it."""
+        pipe = self.build_pipeline(self.epoch, self.skip)
+        pipe.build()
+        # training epochs end when the source raises StopIteration (whole batches, drop_last); validation's last
+        # batch is padded by the source and trimmed to the rest of the set by the iterator
+        size = -1 if self.train else len(self.sampler) - self.skip * self.batch_size
+        with warnings.catch_warnings():  # DALI prefers a reader's own sharding; ours is the sampler's (tested)
+            warnings.filterwarnings("ignore", message="Please set `reader_name`")
+            self.iterator = self.iterator_class([pipe], ["inp", "tar"], size=size, auto_reset=True,
+                                                last_batch_policy=self.last_batch_policy.PARTIAL,
+                                                prepare_first_batch=False)
+
+    def __iter__(self):
+        # a pipeline runs epochs in sequence; start another one for any other (epoch, skip), or after a pass
+        # that stopped early (its iterator sits mid-epoch)
+        if self.iterator is None or not self.exhausted or (self.epoch, self.skip) != self.expected:
+            self._restart()
+        # training moves on by epochs; validation's order does not depend on the epoch, so its pipeline is reused
+        self.expected = (self.epoch + 1, 0) if self.train else (self.epoch, self.skip)
+        self.exhausted = False
+        for batch in self.iterator:
+            yield batch[0]["inp"], batch[0]["tar"]
+        self.exhausted = True
+
+    # what the loop needs besides the batches, read without the pipeline (nothing is consumed)
+    def first_batch(self):
+        return read_first_batch(self.dataset, self.sampler, self.batch_size)
+
+    def describe(self, epoch, step):
+        return self.dataset.describe(batch_indices(self.sampler, self.batch_size, epoch, step))

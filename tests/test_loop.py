@@ -1,0 +1,42 @@
+"""The loop's decisions, made in one place (utils/training.Milestones): when an epoch ends (report, validation),
+when a checkpoint is due, when the run stops. The training tests check what these decisions produce (resume equal
+to an uninterrupted run, --stop_at_iter, --desired_acc); here each decision is checked against its rule on a small
+schedule. A failure points to Milestones, or to a loop that no longer asks it."""
+from types import SimpleNamespace
+
+import pytest
+
+from utils.training import Milestones
+
+
+def milestones(num_iters=20, steps_per_epoch=6, interval=5, stop_at_iter=None, desired_acc=None):
+    params = SimpleNamespace(num_iters=num_iters, checkpoint_interval=interval)
+    args = SimpleNamespace(stop_at_iter=stop_at_iter, desired_acc=desired_acc)
+    return Milestones(params, args, steps_per_epoch)
+
+
+def test_epochs_end_at_whole_epochs_and_at_the_last_iteration():
+    assert [i for i in range(1, 21) if milestones().epoch_ends(i)] == [6, 12, 18, 20]
+
+
+def test_checkpoints_are_due_every_interval_and_never_with_interval_0():
+    assert [i for i in range(1, 21) if milestones().checkpoint_due(i)] == [5, 10, 15, 20]
+    assert not any(milestones(interval=0).checkpoint_due(i) for i in range(1, 21))
+
+
+def test_the_run_stops_at_its_end_at_stop_at_iter_and_at_the_desired_accuracy(caplog):
+    caplog.set_level("INFO")
+    assert [i for i in range(0, 25) if milestones().stop(i)] == list(range(20, 25))
+    assert [i for i in range(0, 21) if milestones(stop_at_iter=8).stop(i)][0] == 8
+    assert "Stopped at iteration 8 (--stop_at_iter); starting again resumes here" in caplog.text
+    reached, short = {"Accuracy/top1/valid": 0.5}, {"Accuracy/top1/valid": 0.4}
+    assert milestones(desired_acc=0.5).stop(6, reached) and not milestones(desired_acc=0.5).stop(6, short)
+    assert not milestones(desired_acc=0.5).stop(6, None)  # no validation at this iteration: go on
+
+
+@pytest.mark.parametrize("stop_at_iter", [25, 20])
+def test_stop_at_iter_past_or_at_the_end_stops_at_the_end_without_the_stop_line(stop_at_iter, caplog):
+    """Twin of the --stop_at_iter case: a run that ends normally does not say it was stopped."""
+    caplog.set_level("INFO")
+    assert [i for i in range(0, 21) if milestones(stop_at_iter=stop_at_iter).stop(i)] == [20]
+    assert "Stopped at iteration" not in caplog.text

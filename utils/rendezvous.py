@@ -1,0 +1,82 @@
+"""Joining the process group: the rendezvous behind comm.init, with its checks (launch variables, a rank 0 that never
+comes, two ranks on one GPU) and torchrun's restarts. Every failure a user can cause ends in one line (UserError).
+
+The rendezvous runs alone, with --dist_timeout (init_process_group's own timeout would also bound every collective).
+"""
+import datetime
+import logging
+import os
+import socket
+import time
+
+import torch.distributed as dist
+
+from utils.errors import UserError
+
+
+def init_process_group(world_size, backend, gpu, timeout_s):
+    """Meet the other `world_size - 1` ranks (RANK, MASTER_ADDR, MASTER_PORT from the launcher) within `timeout_s`
+    seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default process group."""
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UserError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with "
+                        "torchrun, or source export_DDP_vars.sh under srun")
+    rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if timeout_s <= 0:
+        raise UserError(f"--dist_timeout is {timeout_s}; give the seconds to wait for the other ranks")
+    logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
+                 f"(timeout {timeout_s:g} s, --dist_timeout)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store and restarts every rank after a failure; the keys of each attempt
+        # are kept apart, so a restarted rank never reads an address its dead predecessor published
+        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    else:
+        if rank != 0:
+            wait_for_master(addr, port, rank, timeout_s)
+        try:
+            store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        except (dist.DistError, RuntimeError) as err:  # "Timed out ... waiting for clients. 1/2 clients joined."
+            raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
+                            f"{timeout_s:g} s ({err}); start every rank, or raise --dist_timeout") from None
+    if backend == "nccl":
+        check_one_rank_per_gpu(store, world_size, gpu, timeout_s)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size)
+
+
+def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
+    """Refuse, on every rank, two ranks of one node on the same GPU (more ranks than GPUs, or a wrong
+    CUDA_VISIBLE_DEVICES): NCCL would fail later with "Duplicate GPU detected". Each rank counts itself in under its
+    node and GPU in the rendezvous store, and all wait until every rank has."""
+    host = host or socket.gethostname()
+    if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # this GPU's second claim: count the GPU once
+        store.add("gpu_claims/shared", 1)
+    store.add("gpu_claims/ranks", 1)
+    deadline = time.monotonic() + timeout
+    while store.add("gpu_claims/ranks", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise UserError(f"not every rank of {world_size} reached the GPU check within {timeout:g} s; start every "
+                            "rank, or raise --dist_timeout")
+        time.sleep(0.05)
+    shared = store.add("gpu_claims/shared", 0)
+    if shared:
+        raise UserError(f"{shared} GPU(s) are shared by two or more ranks of one node (NCCL needs one GPU per rank); "
+                        "start at most as many ranks per node as it has GPUs (srun --ntasks-per-node, torchrun "
+                        "--nproc_per_node), or check CUDA_VISIBLE_DEVICES")
+
+
+def wait_for_master(addr, port, rank, timeout):
+    """A rank other than 0 waits until rank 0's store accepts connections, or says why it gave up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise UserError(f"rank {rank} waited {timeout:g} s for rank 0 at {addr}:{port} and nobody answered; "
+                                "start every rank (srun -n N / torchrun --nproc_per_node N) with the same "
+                                "MASTER_ADDR and MASTER_PORT, or raise --dist_timeout") from None
+            time.sleep(0.5)

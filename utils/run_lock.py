@@ -1,0 +1,45 @@
+"""The run directory's lock: one run at a time in <expdir>/<config>/<layout>/<run_num>/ (two would overwrite each
+other's checkpoints and TensorBoard events)."""
+import fcntl
+import logging
+import os
+import socket
+import time
+
+from utils.errors import UserError, register_cleanup
+
+
+class RunDirectoryLock:
+    """An flock on <run dir>/run.lock held while a run uses the directory. The kernel drops it when the process
+    dies, however it dies, so a killed run never blocks the next start."""
+
+    def __init__(self, exp_dir):
+        self.path = os.path.join(exp_dir, "run.lock")
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UserError(f"run directory '{exp_dir}' is in use by {holder}; wait for that run to end, or "
+                            "choose another --run_num or --expdir") from None
+        except OSError as err:  # a file system without locks: run, but say so
+            logging.warning(f"cannot lock '{self.path}' ({err}); make sure no other run uses this directory")
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()} "
+                        f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        self.file.flush()
+        register_cleanup(self.release)
+        # a forked child (a loader worker) would share the lock and keep it after this process is killed
+        os.register_at_fork(after_in_child=self._close_in_child)
+
+    def _close_in_child(self):
+        if not self.file.closed:
+            self.file.close()  # closes the child's copy only; the lock stays with the parent
+
+    def release(self):
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
