@@ -41,7 +41,7 @@ lint: install
 test: lint
 	$(PY) -m pytest -q tests
 
-# every test that runs in this one process (no training ranks, commands or loader workers): about a minute
+# every test that runs in this one process (no training ranks, commands or loader workers): under 2 minutes
 test-fast: lint
 	$(PY) -m pytest -q -m "not multiprocess" tests
 
@@ -64,7 +64,7 @@ test-compat: install-compat
 gpu-check: install
 	$(PY) -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
 
-# benchmarks write JSON under bench_results/ (numbers quoted in README)
+# benchmarks write JSON under bench_results/ (numbers quoted in README and docs/)
 bench: bench-step bench-train bench-unet bench-resnet bench-mp
 
 bench-step: install

@@ -1,9 +1,10 @@
 # shellcheck shell=bash
 # Sourced by submit_pm.sh, submit_pm_dp.sh and submit_pm_mp.sh (in the batch job, from the submission directory:
 # the repository root) after they set TRAINING_SCRIPT's default. It checks the job's settings, prepares the
-# environment and leaves two arrays for the script's own srun line:
+# environment and leaves two arrays for the script's own srun line, and one function for after it:
 #   command       python $TRAINING_SCRIPT <the sbatch arguments>, wrapped in nsys when ENABLE_PROFILING=1
 #   shifter_args  the /data and /logs mounts, and --image=$IMAGE when IMAGE is set
+#   requeue_or_exit STATUS   ends the job with srun's status; on 75 it first requeues the job (docs/cluster.md)
 # Usage: source submit_common.sh "$@"
 
 case "$TRAINING_SCRIPT" in
@@ -22,12 +23,21 @@ if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
 fi
 
 DATADIR=${DATADIR:-/pscratch/sd/s/shas1693/data/dl-at-scale-training-data}
+if [ ! -d "$DATADIR" ]; then
+    echo "error: DATADIR='$DATADIR' is not a directory; set DATADIR to the folder that holds train/ and valid/" \
+         "(it is mounted at /data)" >&2
+    exit 2
+fi
 if [ -z "${LOGDIR:-}" ] && [ -z "${SCRATCH:-}" ]; then
     echo "error: neither LOGDIR nor SCRATCH is set; set LOGDIR (default \$SCRATCH/dl-at-scale-training/logs)" >&2
     exit 2
 fi
 LOGDIR=${LOGDIR:-$SCRATCH/dl-at-scale-training/logs}
-mkdir -p "$LOGDIR" || exit 2
+if ! mkdir -p "$LOGDIR" 2>/dev/null || [ ! -w "$LOGDIR" ]; then
+    echo "error: LOGDIR='$LOGDIR' cannot be created or written; set LOGDIR to a folder you can write (it is" \
+         "mounted at /logs; run directories and profiles land there)" >&2
+    exit 2
+fi
 
 export HDF5_USE_FILE_LOCKING=FALSE
 # the NCCL network plugin over Slingshot (libfabric) needs this memory-registration cache monitor, on every node
@@ -59,3 +69,26 @@ shifter_args=(-V "$DATADIR:/data" -V "$LOGDIR:/logs")
 if [ -n "${IMAGE:-}" ]; then
     shifter_args=(--image="$IMAGE" "${shifter_args[@]}")
 fi
+
+# Slurm's own SIGTERM (scancel, a preemption, the time limit itself) reaches this shell as well as the ranks. Untrapped,
+# bash would die at once, srun's status unread; trapped, bash runs the trap once srun has returned. (Not
+# `trap '' TERM`: an ignored signal stays ignored in every child, the ranks included.)
+trap 'ended_by_slurm=SIGTERM' TERM
+
+# After srun: the training scripts exit 75 (EX_TEMPFAIL) when a signal stopped them after a checkpoint. On the warning
+# the submit scripts ask for (`#SBATCH --signal=USR1@180`, sent to the ranks only) the job requeues itself
+# (`#SBATCH --requeue` allows it) and its rerun resumes from the run directory's checkpoint. When Slurm itself ends
+# the job (SIGTERM here too) it is left to Slurm: a cancelled job stays cancelled, a preempted --requeue job is
+# requeued by Slurm. Any other status ends the job as it is: 0 finished, 2 a user error, anything else a failure.
+requeue_or_exit() {
+    { set +x; } 2>/dev/null  # the submit scripts trace their srun line; this says what it does in words
+    local status=$1
+    if [ "$status" = 75 ] && [ -n "${ended_by_slurm:-}" ]; then
+        echo "stopped by a signal with a checkpoint, but Slurm is ending job $SLURM_JOB_ID ($ended_by_slurm to the" \
+             "batch script: scancel, preemption or the time limit): not requeued; the same sbatch command resumes"
+    elif [ "$status" = 75 ]; then
+        echo "stopped by a signal with a checkpoint; requeueing job $SLURM_JOB_ID to resume"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit "$status"
+}

@@ -7,6 +7,9 @@
 #SBATCH --gpus-per-task 1
 #SBATCH --gpu-bind none
 #SBATCH --time=01:00:00
+#SBATCH --signal=USR1@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --image=nersc/pytorch:24.08.01
 #SBATCH --module=gpu,nccl-plugin
 #SBATCH -J vit-era5
@@ -25,6 +28,8 @@
 #     ENABLE_PROFILING=1 PROFILE_OUTPUT=baseline sbatch -t 20 submit_pm.sh --config=short
 #   BENCHY_OUTPUT=name   --enable_benchy results to name.json (relative: the submission directory)
 #     BENCHY_OUTPUT=lowmem_2w sbatch submit_pm.sh --yaml_config config/UNet.yaml --config=short --enable_benchy
+# Time limit: SIGUSR1 reaches every rank about 3 minutes before it; the ranks checkpoint and exit 75, and the job
+# requeues itself and resumes there (docs/cluster.md, "Time limits, preemption and requeue").
 
 TRAINING_SCRIPT=${TRAINING_SCRIPT:-train.py}
 if [ ! -f submit_common.sh ]; then
@@ -32,7 +37,8 @@ if [ ! -f submit_common.sh ]; then
     exit 2
 fi
 # the checks, DATADIR/LOGDIR, MASTER_ADDR and nsys (ENABLE_PROFILING=1) every submit script shares; it leaves the
-# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE)
+# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE), and
+# requeue_or_exit for after srun
 # shellcheck source=submit_common.sh
 source ./submit_common.sh "$@"
 
@@ -40,3 +46,5 @@ set -x
 # the command travels as positional parameters of `bash -c` (never re-parsed: spaces and quotes survive)
 # shellcheck disable=SC2016  # $@ is expanded by the inner bash, after export_DDP_vars.sh
 srun -u shifter "${shifter_args[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' bash "${command[@]}"
+# 75: stopped by the time-limit warning (--signal above) with a checkpoint: the job requeues itself and resumes
+requeue_or_exit $?

@@ -159,6 +159,7 @@ def main(argv=None):
                 checkpoint(iters)
             if stop:
                 break
+    profiler_window.end_epoch()  # a window the stop cut short
     finish_run(run)
 
 

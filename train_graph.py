@@ -78,7 +78,7 @@ def main(argv=None):
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler)
 
     stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
-    cuda_graphs.enter_stream(stream)
+    cuda_graphs.enter_stream(stream)  # the wrap is the eager script's; check_support refused --enable_jit (and dp)
     # wrap for data parallelism over "dp"
     if comm.get_size("dp") > 1 and not args.noddp:  # DDP all-reduces the gradients during backward
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -170,6 +170,7 @@ def main(argv=None):
                 checkpoint(iters)
             if stop:
                 break
+    profiler_window.end_epoch()  # a window the stop cut short
     finish_run(run)
 
 

@@ -96,7 +96,7 @@ def main(argv=None):
                                      lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
 
     stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
-    cuda_graphs.enter_stream(stream)
+    cuda_graphs.enter_stream(stream)  # the wrap is the eager script's; check_support refused --enable_jit (and dp)
     # wrap for data parallelism over "dp"
     if comm.get_world_size() > 1 and not args.noddp:  # DDP's hook also sums the grads of cp-shared weights over "cp"
         device_ids = [device.index] if device.type == "cuda" else None
@@ -189,6 +189,7 @@ def main(argv=None):
                 checkpoint(iters)
             if stop:
                 break
+    profiler_window.end_epoch()  # a window the stop cut short
     finish_run(run)
 
 

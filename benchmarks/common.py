@@ -27,7 +27,7 @@ def cpu_cores():
 
 def device_name():
     """The GPU the runs use, else 'CPU (<processor>)'."""
-    import torch  # lazy: example_logs.py and figures.py import this module without needing torch
+    import torch  # lazy: example_logs.py imports this module without needing torch
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
 
 

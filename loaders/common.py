@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate, get_worker_info
 
+from utils import signals
 from utils.errors import UserError
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
@@ -173,6 +174,11 @@ class SamplerSource:
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self.first_epoch, self.first_skip = first_epoch, first_skip
         self.order_epoch, self.order = None, None
+
+    def __setstate__(self, state):
+        """Unpickled in a DALI worker process: Ctrl-C and Slurm's warning signal are for the main process."""
+        self.__dict__.update(state)
+        signals.ignore_in_worker()
 
     def _order(self, epoch):
         if epoch != self.order_epoch:

@@ -7,6 +7,7 @@ content. Every writer in the project goes through `atomic_path`.
 import contextlib
 import json
 import os
+import shutil
 
 
 def _fsync(path, directory=False):
@@ -21,8 +22,9 @@ def _fsync(path, directory=False):
 
 
 @contextlib.contextmanager
-def atomic_path(path):
-    """Yield a temporary path beside `path` to write to; on success it replaces `path`, on failure it is removed."""
+def atomic_path(path, keep_previous=None):
+    """Yield a temporary path beside `path` to write to; on success it replaces `path`, on failure it is removed.
+    With `keep_previous`, an existing `path` is first renamed to it (a second good copy, one write older)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -30,12 +32,22 @@ def atomic_path(path):
     try:
         yield tmp_path
         _fsync(tmp_path)
+        if keep_previous and os.path.exists(path):
+            os.replace(path, keep_previous)
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp_path)
         raise
     _fsync(folder, directory=True)
+
+
+def free_space(folder):
+    """The free space of the file system holding `folder`, in words ('12.3 GB free'), for error messages."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 1e9:.1f} GB free"
+    except OSError:
+        return "free space unknown"
 
 
 def write_bytes(path, data):

@@ -1,37 +1,80 @@
-"""Checkpoints written atomically: a kill or a full disk at any moment leaves the previous checkpoint intact."""
+"""Checkpoints written atomically: a kill or a full disk at any moment leaves the previous checkpoint intact.
+
+A run directory keeps two: checkpoints/ckpt.pt and the one before it, ckpt_previous.pt. When the newest is damaged
+(a write cut short by a failing file system, a zeroed file) the run resumes from the previous one and says so.
+"""
+import logging
 import os
 import random
 
 import numpy as np
 import torch
 
-from utils.atomic import atomic_path
+from utils import comm
+from utils.atomic import atomic_path, free_space
 from utils.errors import UserError
 
 
+class DamagedCheckpoint(UserError):
+    """A checkpoint file that torch.load cannot read."""
+
+
+def previous_path(path):
+    """Where the checkpoint before `path` is kept: ckpt.pt -> ckpt_previous.pt."""
+    root, ext = os.path.splitext(path)
+    return f"{root}_previous{ext}"
+
+
 def save_checkpoint(path, state):
-    """torch.save to `<path>.tmp`, flushed to disk, renamed over `path`. A failed write (disk full, quota)
-    removes the temporary file, keeps the previous checkpoint and raises a UserError that says so."""
+    """torch.save to `<path>.tmp`, flushed to disk, then the current `path` becomes previous_path(path) and the new
+    file takes its place. A failed write (disk full, quota) removes the temporary file, keeps the checkpoints there
+    were and raises a UserError naming the folder and its free space."""
     try:
-        with atomic_path(path) as tmp_path, open(tmp_path, "wb") as f:
+        with atomic_path(path, keep_previous=previous_path(path)) as tmp_path, open(tmp_path, "wb") as f:
             torch.save(state, f)
-    except OSError as err:
-        kept = ("the previous checkpoint is kept" if os.path.isfile(path)
-                else "there was no earlier checkpoint")
-        raise UserError(f"writing checkpoint '{path}' failed ({err.strerror or err}); the partial file was removed "
-                        f"and {kept}; free disk space (or choose another --expdir) and start again to resume") from None
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write (ENOSPC) as a RuntimeError
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip().splitlines()[-1]
+        folder = os.path.dirname(os.path.abspath(path))
+        kept = "the previous checkpoint is kept" if os.path.isfile(path) else "there was no earlier checkpoint"
+        raise UserError(f"writing checkpoint '{path}' failed ({reason}; {free_space(folder)} in '{folder}'); the "
+                        f"partial file was removed and {kept}; free disk space (or choose another --expdir) and "
+                        "start again to resume") from None
 
 
 def load_checkpoint(path):
-    """The checkpoint dict at `path`, on the CPU."""
+    """The checkpoint dict at `path`, on the CPU; DamagedCheckpoint when the file cannot be read."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint '{path}' not found; pass an existing file to --resume")
     try:
         # our own files hold numpy/python RNG states, which weights_only loading refuses
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
-        raise UserError(f"checkpoint '{path}' cannot be read ({type(err).__name__}); "
-                        "it is not a checkpoint written by train.py") from None
+        raise DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({type(err).__name__}): it is damaged or "
+                                "incomplete (a write cut short, a failing file system)") from None
+
+
+def load_newest_checkpoint(path):
+    """(checkpoint, the file it came from): `path`, or the previous checkpoint when `path` is damaged or missing
+    (a crash between the two renames of save_checkpoint), saying so on rank 0."""
+    previous = previous_path(path)
+    if not os.path.isfile(path):
+        why = f"checkpoint '{path}' is missing"
+    else:
+        try:
+            return load_checkpoint(path), path
+        except DamagedCheckpoint as err:
+            if not os.path.isfile(previous):
+                raise
+            why = str(err)
+    try:
+        checkpoint = load_checkpoint(previous)
+    except DamagedCheckpoint:
+        raise UserError(f"{why}, and the previous one, '{previous}', is damaged or incomplete too; start a new "
+                        "--run_num (or --expdir) to train from the beginning") from None
+    if comm.get_world_rank() == 0:
+        logging.warning(f"{why}; resuming from the previous checkpoint '{previous}' (iteration "
+                        f"{checkpoint.get('iteration', '?') if isinstance(checkpoint, dict) else '?'})")
+    return checkpoint, previous
 
 
 def load_model_state(model, state, path, saved_name=lambda name: name, shard=lambda name, tensor: tensor):

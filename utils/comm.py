@@ -26,6 +26,7 @@ DEFAULT_ORDER = "tp-cp-dp"
 _groups = {}
 _grid = {"dp": 1, "tp": 1, "cp": 1, "order": RankGenerator(tp=1, dp=1, pp=1, cp=1, order=DEFAULT_ORDER).order}
 GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
+_host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads; not a named group
 
 
 def get_world_size():
@@ -115,6 +116,8 @@ def _build_groups(generator):
             group = dist.group.WORLD if ranks == world else dist.new_group(ranks)
             if rank in ranks:
                 _groups[name] = group
+    # host-side flags (utils/signals.py) go through gloo, so that reading them never waits for the GPU
+    _host["group"] = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else dist.group.WORLD
 
 
 def gpus_expected():
@@ -173,6 +176,7 @@ def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
     _groups.clear()
     _grid.update(dp=dp, tp=tp, cp=cp, order=generator.order)
     if world_size > 1 and not dist.is_initialized():
+        rendezvous.launch_settings(world_size, rendezvous_timeout)  # what is missing, before a GPU is touched
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -195,6 +199,15 @@ def all_reduce_sum(tensor, group="dp"):
 def all_reduce_mean(tensor, group="dp"):
     """Mean of `tensor` over the named group."""
     return all_reduce_sum(tensor, group) / get_size(group)
+
+
+def max_over_ranks_on_host(value):
+    """The largest integer `value` over every rank (collective), through gloo on the host: no device sync."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_host.get("group"))
+    return int(tensor.item())
 
 
 def all_reduce_min(tensor):
@@ -232,6 +245,7 @@ def destroy():
     """Leave the process group and forget the named groups: a subgroup kept alive after the world is destroyed
     keeps gloo's threads running until the interpreter exits, which can abort it ("terminate called...")."""
     _groups.clear()
+    _host.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -14,16 +14,21 @@ import torch.distributed as dist
 from utils.errors import UserError
 
 
-def init_process_group(world_size, backend, gpu, timeout_s):
-    """Meet the other `world_size - 1` ranks (RANK, MASTER_ADDR, MASTER_PORT from the launcher) within `timeout_s`
-    seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default process group."""
+def launch_settings(world_size, timeout_s):
+    """(rank, MASTER_ADDR, MASTER_PORT) from the launcher's variables, checked before anything touches a GPU."""
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise UserError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with "
                         "torchrun, or source export_DDP_vars.sh under srun")
-    rank, addr, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if timeout_s <= 0:
         raise UserError(f"--dist_timeout is {timeout_s}; give the seconds to wait for the other ranks")
+    return int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def init_process_group(world_size, backend, gpu, timeout_s):
+    """Meet the other `world_size - 1` ranks (RANK, MASTER_ADDR, MASTER_PORT from the launcher) within `timeout_s`
+    seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default process group."""
+    rank, addr, port = launch_settings(world_size, timeout_s)
     logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                  f"(timeout {timeout_s:g} s, --dist_timeout)")
     timeout = datetime.timedelta(seconds=timeout_s)

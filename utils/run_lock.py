@@ -1,11 +1,13 @@
 """The run directory's lock: one run at a time in <expdir>/<config>/<layout>/<run_num>/ (two would overwrite each
 other's checkpoints and TensorBoard events)."""
+import contextlib
 import fcntl
 import logging
 import os
 import socket
 import time
 
+from utils.atomic import free_space
 from utils.errors import UserError, register_cleanup
 
 
@@ -26,11 +28,19 @@ class RunDirectoryLock:
                             "choose another --run_num or --expdir") from None
         except OSError as err:  # a file system without locks: run, but say so
             logging.warning(f"cannot lock '{self.path}' ({err}); make sure no other run uses this directory")
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"process {os.getpid()} on {socket.gethostname()} "
-                        f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
-        self.file.flush()
+        try:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(f"process {os.getpid()} on {socket.gethostname()} "
+                            f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+            self.file.flush()
+        except OSError as err:  # a full disk or quota: nothing of this run is left behind
+            self.file.close()
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+            raise UserError(f"cannot write in the run directory '{exp_dir}' ({err.strerror or err}; "
+                            f"{free_space(exp_dir)}); free disk space (or raise the quota), or choose another "
+                            "--expdir") from None
         register_cleanup(self.release)
         # a forked child (a loader worker) would share the lock and keep it after this process is killed
         os.register_at_fork(after_in_child=self._close_in_child)

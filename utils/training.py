@@ -11,6 +11,7 @@ stops. The epoch's sums, clock, progress line and nan check live in EpochMeter.
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -18,10 +19,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from utils import comm
-from utils.checkpoint import get_rng_states, load_checkpoint, load_model_state, save_checkpoint, set_rng_states
+from utils import comm, signals
+from utils.checkpoint import (
+    get_rng_states,
+    load_checkpoint,
+    load_model_state,
+    load_newest_checkpoint,
+    previous_path,
+    save_checkpoint,
+    set_rng_states,
+)
 from utils.cli import apply_overrides
-from utils.errors import UserError
+from utils.errors import UserError, register_cleanup
 from utils.logging_utils import config_logger, log_to_file
 from utils.plots import get_figure
 from utils.run_lock import RunDirectoryLock
@@ -69,6 +78,8 @@ def start_run(args, params, layout):
     <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
     Call after comm.init(); every rank calls it."""
     apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
+    signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
+    register_cleanup(signals.uninstall)
     if args.parallel == "dp" and comm.get_world_size() > 1:
         raise UserError("--parallel dp runs one process over all GPUs; launch a single task "
                         "(no torchrun/srun tasks), or keep the default --parallel ddp")
@@ -90,11 +101,18 @@ def start_run(args, params, layout):
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration
-    run.resume_path = comm.broadcast_from_rank0(checkpoint_path if os.path.isfile(checkpoint_path) else args.resume)
+    own = os.path.isfile(checkpoint_path) or os.path.isfile(previous_path(checkpoint_path))
+    run.resume_path = comm.broadcast_from_rank0(checkpoint_path if own else args.resume)
     if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
         logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")
     if run.resume_path and not params.enable_benchy:
-        run.checkpoint = load_checkpoint(run.resume_path)
+        if run.resume_path == checkpoint_path:  # the newest good one of the run directory's two
+            run.checkpoint, run.resume_path = load_newest_checkpoint(checkpoint_path)
+        else:
+            run.checkpoint = load_checkpoint(run.resume_path)
+        if not isinstance(run.checkpoint, dict) or not {"model", "iteration", "config_name"} <= set(run.checkpoint):
+            raise UserError(f"'{run.resume_path}' is not a checkpoint written by train.py (a torch file without its "
+                            "model, iteration and config); pass one of a run directory's checkpoints to --resume")
         written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
         if written_by != (args.config, params.get("model", "vit")):
             raise UserError(f"checkpoint '{run.resume_path}' was written by config '{written_by[0]}' (model "
@@ -115,7 +133,7 @@ def set_run_length(params, steps_per_epoch):
 
 class Milestones:
     """The loop's decisions, in one place: when an epoch ends (report and validate), when a checkpoint is due, and
-    when to stop (the last iteration, --stop_at_iter, --desired_acc)."""
+    when to stop (the last iteration, --stop_at_iter, --desired_acc, a signal: utils/signals.py)."""
 
     def __init__(self, params, args, steps_per_epoch):
         self.steps_per_epoch = steps_per_epoch
@@ -123,20 +141,28 @@ class Milestones:
         self.stop_iter = min(params.num_iters, args.stop_at_iter or params.num_iters)
         self.interval = params.checkpoint_interval
         self.desired_acc = args.desired_acc
+        self.first = True
 
     def epoch_ends(self, iters):
         """The epoch's last iteration, or the run's (a shorter last epoch is reported too)."""
         return iters % self.steps_per_epoch == 0 or iters == self.num_iters
 
     def stop(self, iters, val_means=None):
-        """True once the loop is to stop after `iters` iterations (saying why when the run is not done)."""
+        """True once the loop is to stop after `iters` iterations (saying why when the run is not done); asked once
+        before the first step and after every step. Collective: the ranks agree on a signal any of them received."""
+        signal_name = signals.agreed()
+        first, self.first = self.first, False
         if iters >= self.num_iters:
             return True
-        if iters >= self.stop_iter:
-            logging.info(f"Stopped at iteration {iters} (--stop_at_iter); starting again resumes here")
+        if signal_name:
+            logging.info(f"stopped by {signal_name} at iteration {iters}; starting again resumes here")
             return True
         if self.desired_acc is not None and val_means and val_means["Accuracy/top1/valid"] >= self.desired_acc:
             logging.info(f"Reached the desired validation accuracy {self.desired_acc} at iteration {iters}; stopping")
+            return True
+        if iters >= self.stop_iter:
+            logging.info(f"Nothing to train: the run is at iteration {iters}, --stop_at_iter {self.stop_iter}" if first
+                         else f"Stopped at iteration {iters} (--stop_at_iter); starting again resumes here")
             return True
         return False
 
@@ -180,6 +206,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     `model_state` and `optimizer_state`, which must be the whole model's there (a model-parallel script gathers
     its shards first). If the write fails every rank stops with the same message and the previous checkpoint
     stays."""
+    start = time.time()
     rng_states = [get_rng_states()]
     if dist.is_initialized():
         rng_states = [None] * dist.get_world_size()
@@ -189,6 +216,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params}
     comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
+    logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
 
 
 class EpochMeter:
@@ -204,7 +232,7 @@ class EpochMeter:
         self._reset(0, None)
 
     def _reset(self, iteration, partial):
-        self.losses, self.metrics, self.checked, self.iteration = [], [], 0, iteration
+        self.losses, self.metrics, self.checked, self.iteration, self.reported = [], [], 0, iteration, False
         inside_epoch = self.loader is not None and iteration % len(self.loader)
         self.prior = partial if partial and inside_epoch else {"steps": 0, "sums": {}}
 
@@ -245,8 +273,7 @@ class EpochMeter:
         comm.synchronize(self.device)
         return time.time() - self.start_time
 
-    def state_dict(self):
-        """{"steps", "sums"}: sums over the epoch's steps of the data-parallel mean (collective)."""
+    def _sums(self):
         sums = dict(self.prior["sums"])
         if self.losses:
             local = {"Loss/train": torch.stack(self.losses).double().sum()}
@@ -256,9 +283,15 @@ class EpochMeter:
                 sums[tag] = sums.get(tag, 0.0) + value
         return {"steps": self.prior["steps"] + self.steps, "sums": sums}
 
+    def state_dict(self):
+        """{"steps", "sums"}: sums over the epoch's steps of the data-parallel mean (collective), for a checkpoint;
+        empty once the epoch has been reported (means()), so a resumed run never counts those steps again."""
+        return {"steps": 0, "sums": {}} if self.reported else self._sums()
+
     def means(self):
-        """{tag: mean over the whole epoch} (collective)."""
-        state = self.state_dict()
+        """{tag: mean over the whole epoch} (collective), for the epoch's report."""
+        state = self._sums()
+        self.reported = True
         return {tag: total / state["steps"] for tag, total in state["sums"].items()}
 
     def describe(self, iteration):
@@ -364,8 +397,9 @@ def log_step0(run, model, first_batch, valid_loader, to_device, loss_fn, metrics
 def log_training_epoch(run, meter, iters, optimizer, flops_per_device_sample, peak):
     """The tutorial's end-of-epoch lines and TensorBoard points for training (rank 0); returns the epoch's means
     (collective: every rank of the meter's group calls it). A nan/inf loss stops the run here (stop_if_not_finite)."""
+    seconds = meter.seconds()
     meter.stop_if_not_finite(iters)
-    seconds, steps, train_means = meter.seconds(), meter.steps, meter.means()
+    steps, train_means = meter.steps, meter.means()
     epoch = (iters - 1) // len(meter.loader)
     lr = optimizer.param_groups[0]["lr"]
     iters_per_sec = steps / seconds
@@ -386,7 +420,14 @@ def log_training_epoch(run, meter, iters, optimizer, flops_per_device_sample, pe
 
 
 def log_validation(run, iters, val_means, val_batch, seconds, train_means):
-    """The tutorial's validation lines, TensorBoard points and figure (rank 0); flushes the writer."""
+    """The tutorial's validation lines, TensorBoard points and figure (rank 0); flushes the writer. A nan/inf
+    validation loss or metric stops the run (every rank: the means are the same on all), before anything is saved."""
+    bad = [tag for tag, value in val_means.items() if not math.isfinite(value)]
+    if bad:
+        what = "loss" if bad[0] == "loss" else f"metric {bad[0]}"
+        raise UserError(f"the validation {what} is not finite (nan or inf) at iteration {iters}; stopped without "
+                        "saving, the last good checkpoint is kept; check the validation data (or lower lr, or use "
+                        "bf16 instead of fp16)")
     logging.info(f"  Avg val loss={val_means['loss']}")
     logging.info(f"  Total validation time: {seconds} sec")
     if "Accuracy/top1/valid" in val_means:
@@ -406,7 +447,7 @@ def log_validation(run, iters, val_means, val_batch, seconds, train_means):
 
 def finish_run(run):
     """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
-    free the run directory."""
+    free the run directory; after a stop on a signal, exit with signals.EXIT_CODE."""
     if run.writer is not None:
         run.writer.close()
         logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")
@@ -415,3 +456,5 @@ def finish_run(run):
     comm.destroy()
     if run.lock is not None:
         run.lock.release()
+    if signals.stopped_by():  # checkpointed: the submit scripts requeue the job on this exit code
+        sys.exit(signals.EXIT_CODE)
