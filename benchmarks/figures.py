@@ -137,7 +137,7 @@ def _plt():
     return plt
 
 
-def _save(fig, path):
+def save_figure(fig, path):
     from utils.atomic import atomic_path
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=DPI, format="png")
@@ -192,7 +192,7 @@ def stage_curves(run_dir, title, machine, path):
             ax.legend(fontsize=8)
     fig.suptitle(f"{title}: learning curves\n{machine}; run {_short(run_dir)}", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _short(path):
@@ -224,7 +224,7 @@ def dp_sweep_curves(runs, machine, path):
     fig.suptitle("ViT demo, data parallel at local batch 8, same epochs: validation curves\n"
                  f"{machine}; gloo ranks on the CPU", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def dp_sweep_scaling(runs, machine, path):
@@ -252,7 +252,7 @@ def dp_sweep_scaling(runs, machine, path):
     ax.legend(fontsize=8)
     ax.set_title(f"ViT demo, data-parallel throughput\n{machine}; gloo ranks on the CPU", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _barh(ax, labels, values, colors, fmt="{:.1f}", xerr=None):
@@ -285,7 +285,7 @@ def throughput_steps(doc, stage, path):
     ax.set_title(f"{stage}, config {doc.get('config', '?')}: throughput per optimisation step\n{bench_machine(doc)}",
                  fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def throughput_benchy(doc, path):
@@ -313,7 +313,7 @@ def throughput_benchy(doc, path):
     ax.set_title(f"3D UNet, config {doc.get('config', '?')}: IO, SYNTHETIC (compute) and FULL throughput\n"
                  f"{bench_machine(doc)}", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def mp_layouts(doc, path):
@@ -328,7 +328,7 @@ def mp_layouts(doc, path):
     axes[1].set_xlabel("parameters + Adam moments per rank (MB)")
     fig.suptitle(f"ViT {doc.get('config', '?')} config, train_mp.py layouts\n{bench_machine(doc)}", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def loader_comparison(doc, path):
@@ -347,7 +347,7 @@ def loader_comparison(doc, path):
     ax.set_xlabel(f"samples/s (batch {doc.get('batch', '?')}, {image} ERA5 sample pairs, page cache warm)")
     ax.set_title(f"ERA5 loaders against raw h5py reads\n{bench_machine(doc)}", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def rank_groups(path, tp=2, cp=2, dp=4, order="tp-cp-dp", gpus_per_node=4):
@@ -383,7 +383,7 @@ def rank_groups(path, tp=2, cp=2, dp=4, order="tp-cp-dp", gpus_per_node=4):
                  f"group\nlayout from utils/rank_generator.py for a cluster of {nodes} nodes x {gpus_per_node} GPUs "
                  "(computed, not run)", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 @exit_on_user_error

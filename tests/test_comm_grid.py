@@ -32,7 +32,7 @@ def groups(tp, dp, cp, order, pp=1):
 
 # --- the worked examples of the original tutorial (Megatron-LM's layout), exactly ---------------------------
 
-def test_tp4_dp2_tp_cp_dp():
+def test_tp4_dp2_in_order_tp_cp_dp_varies_tp_fastest():
     """8 ranks, tp=4, dp=2: rank 5 does tp comms in [4..7] and its dp reduction with rank 1. A failure: the
     order's first name does not vary fastest."""
     g = groups(tp=4, dp=2, cp=1, order="tp-cp-dp")
@@ -139,7 +139,7 @@ def test_validate_grid_accepts_and_returns_dp():
     assert comm.validate_grid(1, 1, 1) == 1
 
 
-def test_single_process_init(monkeypatch):
+def test_init_on_one_process_gives_sizes_1_and_refuses_tp2(monkeypatch):
     """Without WORLD_SIZE every size is 1 and every rank 0; tp=2 on one process is refused before anything
     starts. A failure: init no longer works for a single process (train.py on a laptop)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -74,6 +74,6 @@ def test_unknown_config_lists_the_names():
         YParams(VIT_YAML, "nope")
 
 
-def test_missing_yaml_file():
+def test_a_missing_yaml_file_is_one_line():
     with pytest.raises(UserError, match="'config/missing.yaml' not found"):
         YParams("config/missing.yaml", "base")

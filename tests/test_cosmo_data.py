@@ -138,7 +138,7 @@ def test_bad_sizes_are_refused(tmp_path, sizes):
     assert not any(tmp_path.iterdir())
 
 
-def test_cosmo_subcommand(tmp_path, capsys):
+def test_cosmo_subcommand_writes_the_requested_sizes(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_cosmo_parser(parser.add_subparsers(dest="dataset", required=True))
     args = parser.parse_args(["cosmo", "--out", str(tmp_path), "--train_size", "16", "--valid_size", "16",

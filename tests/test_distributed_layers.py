@@ -10,7 +10,6 @@ splits, on gloo (CPU). A failure points to distributed/mappings.py (a wrong back
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import as_spawned_rank, free_port
@@ -19,23 +18,11 @@ TOLERANCE = 1e-5
 
 
 def _set_grid(tp, cp):
-    """Groups "tp", "cp", "tp-cp", "dp" of a tp x cp x dp grid in the order tp-cp-dp (tp fastest)."""
+    """Groups "tp", "cp", "tp-cp", "dp" of a tp x cp x dp grid in the order tp-cp-dp (tp fastest), on the process
+    group the test started; returns dp."""
     from utils import comm
-    world = dist.get_world_size()
-    dp = world // (tp * cp)
-    coords = {r: (r % tp, (r // tp) % cp, r // (tp * cp)) for r in range(world)}  # (tp, cp, dp) indices
-    axes = {"tp": (0,), "cp": (1,), "dp": (2,), "tp-cp": (0, 1)}
-    comm._groups.clear()
-    for name, varying in axes.items():
-        lists = {}
-        for rank, c in coords.items():
-            key = tuple(v for axis, v in enumerate(c) if axis not in varying)
-            lists.setdefault(key, []).append(rank)
-        for ranks in sorted(lists.values()):
-            group = dist.new_group(ranks)  # every rank creates every group, in the same order
-            if dist.get_rank() in ranks:
-                comm._groups[name] = group
-    return dp
+    comm.init({"tp": tp, "cp": cp, "order": "tp-cp-dp"})
+    return comm.get_size("dp")
 
 
 def rel_error(value, reference, floor=0.0):

@@ -102,14 +102,14 @@ def test_every_figure_is_drawn_and_names_its_machine(inputs, tmp_path, monkeypat
 
     logs, bench = inputs
     titles = {}
-    save = figures._save
+    save = figures.save_figure
 
     def save_and_record(fig, path):
         texts = [fig._suptitle.get_text() if fig._suptitle else ""] + [ax.get_title() for ax in fig.axes]
         titles[os.path.basename(path)] = " ".join(texts)
         save(fig, path)
 
-    monkeypatch.setattr(figures, "_save", save_and_record)
+    monkeypatch.setattr(figures, "save_figure", save_and_record)
     figures.main(["--logs", logs, "--bench", bench, "--out", str(tmp_path)])
     assert sorted(os.listdir(tmp_path)) == sorted(PNGS)
     for name in PNGS:

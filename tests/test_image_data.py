@@ -247,7 +247,7 @@ def test_imagefolder_layout_and_transforms(imagefolder_root):
         assert image.min() < -1.0 and image.max() > 1.0  # ImageNet-normalised, not in [0, 1]
 
 
-def test_cli_subcommands(tmp_path):
+def test_cifar100_and_imagefolder_subcommands_are_registered_like_era5(tmp_path):
     """Failure: the cifar100/imagefolder subcommands are not registered like `era5` (--out, sizes,
     set_defaults(run=...))."""
     parser = ArgumentParser()
@@ -266,7 +266,7 @@ def test_cli_subcommands(tmp_path):
         write_imagefolder(tmp_path / "g", num_classes=101)
 
 
-def test_missing_cifar_folder(tmp_path, monkeypatch):
+def test_missing_cifar_data_is_one_line_naming_the_sample_data_command(tmp_path, monkeypatch):
     """Failure: absent CIFAR-100 data is not reported with the sample-data command, a download is
     attempted although the config or the caller forbids it, or a failed download is a traceback."""
     params = cifar_params(tmp_path / "absent")
@@ -285,7 +285,7 @@ def test_missing_cifar_folder(tmp_path, monkeypatch):
         get_image_dataset(params, train=True, download_ok=True)
 
 
-def test_wrong_cifar_image_size(cifar_root, tmp_path):
+def test_cifar_images_of_the_wrong_size_are_refused(cifar_root, tmp_path):
     """Failure: a file of 16x16 images (with a matching manifest) is reshaped into wrong 32x32 images."""
     root, folder = copy_cifar(cifar_root, tmp_path)
     small = {"data": np.zeros((8, 3 * 16 * 16), np.uint8), "fine_labels": [0] * 8, "coarse_labels": [4] * 8,
@@ -298,7 +298,7 @@ def test_wrong_cifar_image_size(cifar_root, tmp_path):
         get_image_dataset(cifar_params(root), train=False)
 
 
-def test_too_many_classes(cifar_root, imagefolder_root):
+def test_labels_beyond_num_classes_are_refused(cifar_root, imagefolder_root):
     """Failure: labels >= num_classes reach the loss (a crash or silent garbage mid-training)."""
     with pytest.raises(UserError, match="has 100 classes but num_classes is 10; set num_classes: 100"):
         get_image_dataset(cifar_params(cifar_root, num_classes=10), train=False)
@@ -306,7 +306,7 @@ def test_too_many_classes(cifar_root, imagefolder_root):
         get_image_dataset(imagefolder_params(imagefolder_root, num_classes=2), train=True)
 
 
-def test_bad_imagefolder_inputs(imagefolder_root, tmp_path):
+def test_bad_image_folders_are_one_line_each(imagefolder_root, tmp_path):
     """Failure: a missing or empty image folder, mismatched class folders or an unknown dataset name
     end in a traceback (or silently wrong labels) instead of a UserError."""
     with pytest.raises(UserError, match="image folder '.*nowhere/train' does not exist; generate sample data"):

@@ -70,6 +70,7 @@ def stopped_at(output, name):
     return int(found[0])
 
 
+@pytest.mark.compat  # also on the container's torch 2.5
 def test_sigterm_checkpoints_exits_75_and_the_restarted_run_equals_an_uninterrupted_one(era5_dir, tmp_path):
     argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "400", "--checkpoint_interval",
             "0"]
@@ -111,6 +112,7 @@ def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_di
     assert not os.path.exists(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt"))
 
 
+@pytest.mark.compat  # also on the container's torch 2.5
 def test_under_torchrun_at_tp2_both_ranks_stop_after_the_same_step_and_resume_exactly(era5_dir, tmp_path):
     argv = ["train_mp.py", "--config", "tiny", "--tensor_parallel", "2", "--data_dir", era5_dir, "--num_iters", "96",
             "--checkpoint_interval", "0"]

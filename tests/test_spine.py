@@ -95,16 +95,13 @@ def test_first_batch_of_random_crops_leaves_the_training_stream_alone(tmp_path):
 
 
 def _reduce_over_dp(rank, port, results):
-    import torch.distributed as dist
 
     from utils import comm
     as_spawned_rank(rank, 2, port)
-    comm.init(rendezvous_timeout=30)
-    # a "dp" group of one rank each (as when the other rank is a tensor-parallel partner): nothing to average
-    groups = [dist.new_group([0]), dist.new_group([1])]
-    comm._groups["dp"] = groups[rank]
+    # tp = 2 on 2 ranks: a "dp" group of one rank each (the other rank is a tensor-parallel partner): nothing to average
+    comm.init({"tp": 2}, rendezvous_timeout=30)
     local = comm.all_reduce_mean(torch.tensor([float(rank + 1)]), "dp").item()
-    comm._groups["dp"] = dist.group.WORLD
+    comm.init({"tp": 1})  # every rank a replica: "dp" is the world
     world = comm.all_reduce_mean(torch.tensor([float(rank + 1)]), "dp").item()
     results[rank] = (local, world, comm.get_size("dp"))
     comm.destroy()

@@ -242,10 +242,12 @@ def broadcast_from_rank0(obj):
 
 
 def destroy():
-    """Leave the process group and forget the named groups: a subgroup kept alive after the world is destroyed
-    keeps gloo's threads running until the interpreter exits, which can abort it ("terminate called...")."""
+    """Leave the process group and forget the named groups and the grid (a single process's again): a subgroup kept
+    alive after the world is destroyed keeps gloo's threads running until the interpreter exits, which can abort it
+    ("terminate called...")."""
     _groups.clear()
     _host.clear()
+    _grid.update(dp=1, tp=1, cp=1, order=RankGenerator(tp=1, dp=1, pp=1, cp=1, order=DEFAULT_ORDER).order)
     if dist.is_initialized():
         dist.destroy_process_group()
 
