@@ -71,6 +71,17 @@ def as_spawned_rank(rank, world, port, gpu=False, **extra):
                       WORLD_SIZE=str(world), **extra)
 
 
+def scalar_points(run_dir):
+    """{tag: [(step, value), ...]} of a run's TensorBoard scalars as TensorBoard shows them (a point written twice
+    appears twice), the timings left out (they differ between any two runs)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(str(run_dir), "logs"))
+    events.Reload()
+    timings = {"Avg iters per sec", "Avg samples per sec"}
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+            if tag not in timings}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,14 +16,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
 import train
 import utils.checkpoint
 import utils.flops
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, free_port, run_command
+from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
@@ -93,15 +92,6 @@ def test_second_run_in_the_same_directory_is_refused_until_the_first_ends(small_
     assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == 4
 
 
-def all_points(expdir):
-    """{tag: [(step, value), ...]} as TensorBoard shows them (a duplicated point would appear twice)."""
-    events = EventAccumulator(os.path.join(run_dir_of(expdir), "logs"))
-    events.Reload()
-    timings = {"Avg iters per sec", "Avg samples per sec"}
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-            if tag not in timings}
-
-
 def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path, monkeypatch):
     """Killed while validating epoch 2 (a checkpoint was due at its end): the restarted run redoes epoch 2 and
     its points, and TensorBoard shows each point once, as an uninterrupted run does."""
@@ -123,7 +113,7 @@ def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path
         train.main(tiny(small_era5, tmp_path / "split", *flags))
     monkeypatch.setattr(train, "validate", real_validate)
     train.main(tiny(small_era5, tmp_path / "split", *flags))
-    whole, split = all_points(tmp_path / "whole"), all_points(tmp_path / "split")
+    whole, split = scalar_points(run_dir_of(tmp_path / "whole")), scalar_points(run_dir_of(tmp_path / "split"))
     assert sorted(split) == sorted(whole)
     for tag, points in whole.items():  # the same steps, each once, and the same values
         assert [step for step, _ in split[tag]] == [step for step, _ in points], tag

@@ -16,20 +16,14 @@ import time
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO_ROOT, free_port, run_command
+from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
 
 pytestmark = pytest.mark.multiprocess
-TIMINGS = {"Avg iters per sec", "Avg samples per sec"}
 
 
 def points_and_weights(run_dir):
-    events = EventAccumulator(os.path.join(run_dir, "logs"))
-    events.Reload()
-    points = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-              if tag not in TIMINGS}
-    return points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    return scalar_points(run_dir), torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
 
 
 def assert_same_run(run_dir, reference_dir):

@@ -21,8 +21,8 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, free_port
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import REPO_ROOT, free_port, scalar_points
 
 FAKEBIN = os.path.join(REPO_ROOT, "tests", "fakebin")
 SUBMIT_SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
@@ -383,16 +383,6 @@ def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Setting DP = 1, TP = 2, CP = 1" in result.stderr and "DONE ---- rank 0" in result.stderr
     assert (tmp_path / "runs" / "tiny" / "2MP" / "00" / "checkpoints" / "ckpt.pt").is_file()
-
-
-def scalar_points(run_dir):
-    """{tag: [(step, value), ...]} of the run's TensorBoard scalars but the timings (a point written twice shows
-    twice), as tests/test_reliability.py reads them."""
-    events = EventAccumulator(os.path.join(run_dir, "logs"))
-    events.Reload()
-    timings = {"Avg iters per sec", "Avg samples per sec"}
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-            if tag not in timings}
 
 
 @pytest.mark.multiprocess

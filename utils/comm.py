@@ -176,12 +176,12 @@ def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
     _groups.clear()
     _grid.update(dp=dp, tp=tp, cp=cp, order=generator.order)
     if world_size > 1 and not dist.is_initialized():
-        rendezvous.launch_settings(world_size, rendezvous_timeout)  # what is missing, before a GPU is touched
+        settings = rendezvous.launch_settings(world_size, rendezvous_timeout)  # checked before a GPU is touched
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        rendezvous.init_process_group(world_size, "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
-                                      rendezvous_timeout)
+        rendezvous.init_process_group(settings, world_size, "nccl" if device.type == "cuda" else "gloo",
+                                      gpu_id(device), rendezvous_timeout)
     if dist.is_initialized():
         _build_groups(generator)
     if get_world_rank() == 0:

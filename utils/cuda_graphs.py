@@ -95,11 +95,13 @@ def leave_stream(stream):
 
 @contextlib.contextmanager
 def on_stream(stream):
-    """Run a block on `stream` after the work queued so far; later work on the current stream waits for it."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
+    """Run a block on `stream` after the work queued so far (enter_stream); then back on the default stream, whose
+    later work waits for it (leave_stream)."""
+    enter_stream(stream)
+    try:
         yield
-    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    finally:
+        leave_stream(stream)
 
 
 class _Snapshot:

@@ -25,10 +25,11 @@ def launch_settings(world_size, timeout_s):
     return int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def init_process_group(world_size, backend, gpu, timeout_s):
-    """Meet the other `world_size - 1` ranks (RANK, MASTER_ADDR, MASTER_PORT from the launcher) within `timeout_s`
-    seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default process group."""
-    rank, addr, port = launch_settings(world_size, timeout_s)
+def init_process_group(settings, world_size, backend, gpu, timeout_s):
+    """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
+    `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
+    process group."""
+    rank, addr, port = settings
     logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                  f"(timeout {timeout_s:g} s, --dist_timeout)")
     timeout = datetime.timedelta(seconds=timeout_s)

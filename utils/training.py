@@ -233,12 +233,11 @@ class EpochMeter:
 
     def _reset(self, iteration, partial):
         self.losses, self.metrics, self.checked, self.iteration, self.reported = [], [], 0, iteration, False
-        inside_epoch = self.loader is not None and iteration % len(self.loader)
-        self.prior = partial if partial and inside_epoch else {"steps": 0, "sums": {}}
+        self.prior = partial or {"steps": 0, "sums": {}}
 
     def start(self, iteration=0, partial=None):
         """A new epoch at `iteration` (iterations done so far), or the rest of one: `partial` = the sums a
-        checkpoint kept, used when `iteration` falls inside an epoch. Waits for the device and starts the clock."""
+        checkpoint kept (empty when it was written after the epoch's report). Waits for the device, starts the clock."""
         self._reset(iteration, partial)
         comm.synchronize(self.device)
         self.start_time = self.report_time = time.time()
