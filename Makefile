@@ -80,7 +80,7 @@ bench-mp: install $(DATA_DIR)/stats/global_stds.npy
 	$(PY) -m benchmarks.bench_mp --data_dir $(DATA_DIR) --out bench_results/mp_demo.json
 
 bench-loader: install
-	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --out bench_results/loader_era5.json
+	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --repeats 5 --out bench_results/loader_era5.json
 
 # the cosmology crops (64^3 of a generated 128^3 box): PyTorch lowmem and DALI dali-lowmem vs raw reads
 bench-loader-cosmo: install

@@ -22,6 +22,10 @@ the same random `--crop`^3 crops (the corners the loaders' crop_plan gives for e
   DALI, N threads             `--data_loader_config dali-lowmem` (DALI's ROI reads of the .npy windows, the rotation
                               in the pipeline; N CPU threads)
 Batches default to 4 sample pairs for ERA5 and 16 crops for the cosmology boxes: about 160 MB a batch either way.
+Each trial reads `--warmup` batches (10) before its clock starts: a loader's start-up (worker processes starting,
+each mapping the ring of batches it reads into; loaders/common.py BatchRing) is paid once in a run, not per batch.
+`worker_speedups` in the JSON gives the PyTorch loader's rate with N workers over 0 workers and over the next smaller
+count, round by round (the targets: docs/loaders.md).
 `--repeats N` times every loader N times, in rounds over the whole list (a noisy moment of a shared machine hits all
 loaders of its round); each row gives the median and every round's rate. For the cosmology crops the JSON also has
 `dali_over_pytorch`: DALI's rate over the PyTorch loader's at each equal count of threads and workers, round by
@@ -34,12 +38,15 @@ import time
 
 import h5py
 import numpy as np
-from torch.utils.data import default_collate
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from benchmarks.common import REPO_ROOT, cpu_cores
 from utils.atomic import write_json
 from utils.benchy import endless_batches
 from utils.errors import ArgumentParser
+
+BEFORE = "{name}, {workers} workers, fresh shared memory per batch (before the ring)"
 
 
 def loader_params(data_dir, batch, workers, height, width):
@@ -53,34 +60,137 @@ def loader_params(data_dir, batch, workers, height, width):
     return params
 
 
-def rate_of(batches, nbatches, batch):
-    """samples/s over `nbatches` batches of an endless iterator, its first batch (start-up) outside the clock."""
-    next(batches)
+def process_tree_usage():
+    """{pid: (user s, system s, minor page faults)} of this process and its live children (loader workers), from
+    /proc (Linux); {} elsewhere."""
+    tick, usage = os.sysconf("SC_CLK_TCK"), {}
+    pids = [os.getpid()]
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(pid) for pid in f.read().split()]
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            usage[pid] = (int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
+    except OSError:  # not Linux, or a child that ended meanwhile
+        return {}
+    return usage
+
+
+def cost_per_batch(before, after, nbatches):
+    """CPU ms (user, system) and minor page faults per batch, summed over the processes alive at both ends."""
+    common = before.keys() & after.keys()
+    if not common:
+        return None
+    user, system, faults = (sum(after[pid][i] - before[pid][i] for pid in common) for i in range(3))
+    return {"user_ms": user / nbatches * 1e3, "system_ms": system / nbatches * 1e3, "page_faults": faults / nbatches}
+
+
+def rate_of(batches, nbatches, batch, warmup):
+    """(samples/s, CPU cost per batch) over `nbatches` batches of an endless iterator, after `warmup` batches
+    outside the clock (start-up: worker processes starting, each mapping the ring it reads into; paid once a run)."""
+    for _ in range(warmup):
+        next(batches)
+    usage = process_tree_usage()
     start = time.perf_counter()
     for _ in range(nbatches):
         next(batches)
-    return nbatches * batch / (time.perf_counter() - start)
+    rate = nbatches * batch / (time.perf_counter() - start)
+    return rate, cost_per_batch(usage, process_tree_usage(), nbatches)
 
 
 def measure(trials, args):
     """Times every trial (label, function giving an endless batch iterator) `args.repeats` times, interleaved (the
     whole list once per round, so a noisy moment hits every loader alike). The first trial is the raw reference.
     Each row: the median rate, every round's rate, and the median's ratio to the raw median."""
-    runs = {label: [] for label, _ in trials}
+    runs, costs = {label: [] for label, _ in trials}, {label: [] for label, _ in trials}
     for round_ in range(args.repeats):
         tag = f" (round {round_ + 1}/{args.repeats})" if args.repeats > 1 else ""
         for label, batches in trials:
-            runs[label].append(rate_of(batches(), args.nbatches, args.batch))
-            print(f"[bench_loader] {label}{tag}: {runs[label][-1]:.1f} samples/s", flush=True)
+            rate, cost = rate_of(batches(), args.nbatches, args.batch, args.warmup)
+            runs[label].append(rate)
+            costs[label].append(cost)
+            print(f"[bench_loader] {label}{tag}: {rate:.1f} samples/s", flush=True)
     raw = statistics.median(runs[trials[0][0]])
     rows = [{"loader": label, "samples_per_sec": statistics.median(rates), "runs": rates,
-             "ratio_to_raw": statistics.median(rates) / raw} for label, rates in runs.items()]
+             "ratio_to_raw": statistics.median(rates) / raw, "per_batch": median_cost(costs[label])}
+            for label, rates in runs.items()]
     for row in rows:
         low, high = min(row["runs"]), max(row["runs"])
         spread = f", {low:.1f}-{high:.1f} over {args.repeats} rounds" if args.repeats > 1 else ""
+        cost = row["per_batch"]
+        cost = (f"; per batch {cost['user_ms']:.0f} ms user + {cost['system_ms']:.0f} ms system CPU, "
+                f"{cost['page_faults']:.0f} page faults") if cost else ""
         print(f"[bench_loader] {row['loader']}: {row['samples_per_sec']:.1f} samples/s{spread} "
-              f"({row['ratio_to_raw']:.0%} of {trials[0][0]})", flush=True)
+              f"({row['ratio_to_raw']:.0%} of {trials[0][0]}){cost}", flush=True)
     return rows
+
+
+def median_cost(costs):
+    """Each CPU cost's median over the rounds (None where /proc could not tell)."""
+    costs = [cost for cost in costs if cost]
+    return {key: statistics.median(cost[key] for cost in costs) for key in costs[0]} if costs else None
+
+
+def round_ratios(numerator, denominator):
+    """Two rows' rates divided round by round (the same noisy moment): median, range, every round."""
+    ratios = [n / d for n, d in zip(numerator, denominator)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "runs": ratios}
+
+
+def worker_speedups(rows, label_of, counts):
+    """The PyTorch loader's rate with N workers over its rate with 0 workers, and over the next smaller count of
+    workers, round by round: {"2": {"over_0": ..., }, "4": {"over_0": ..., "over_2": ...}}."""
+    runs = {row["loader"]: row["runs"] for row in rows}
+    speedups = {}
+    if 0 not in counts:
+        return speedups
+    workers = sorted(count for count in counts if count > 0)
+    for index, count in enumerate(workers):
+        speedup = {"over_0": round_ratios(runs[label_of(count)], runs[label_of(0)])}
+        if index:
+            smaller = workers[index - 1]
+            speedup[f"over_{smaller}"] = round_ratios(runs[label_of(count)], runs[label_of(smaller)])
+        speedups[str(count)] = speedup
+        print(f"[bench_loader] {label_of(count)}: " + ", ".join(
+            f"{ratio['median']:.2f}x {over.replace('_', ' ')} workers ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            for over, ratio in speedup.items()), flush=True)
+    return speedups
+
+
+class FreshSharedMemory(Dataset):
+    """The worker path before the ring (for comparison): each batch read into new shared memory in the worker, as
+    default_collate does for what it stacks, and sent to the training process, which maps it and unmaps it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        batch = []
+        for shape in self.dataset.sample_shapes():
+            storage = torch.UntypedStorage._new_shared(int(np.prod((len(indices), *shape))) * 4)
+            batch.append(torch.empty(0, dtype=torch.float32).set_(storage, 0, (len(indices), *shape)))
+        self.dataset.read_batch_into(indices, batch)
+        return tuple(batch)
+
+
+def fresh_shared_memory_batches(loader, workers):
+    """Endless batches of `loader`'s dataset and sampler through FreshSharedMemory with `workers` workers."""
+    fresh = DataLoader(FreshSharedMemory(loader.dataset), batch_size=loader.batch_size, sampler=loader.sampler,
+                       collate_fn=_as_read, num_workers=workers, persistent_workers=True, drop_last=True)
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from fresh
+        epoch += 1
+
+
+def _as_read(batch):
+    return batch
 
 
 def endless(iterable_factory):
@@ -98,14 +208,19 @@ def main(argv=None):
     parser.add_argument("--box", type=int, default=128, help="cosmo: edge of the generated training box")
     parser.add_argument("--crop", type=int, default=64, help="cosmo: crop edge (the original data_size)")
     parser.add_argument("--batch", type=int, default=None, help="default: 4 (ERA5), 16 (cosmo): ~160 MB a batch")
-    parser.add_argument("--nbatches", type=int, default=10)
+    parser.add_argument("--nbatches", type=int, default=10, help="timed batches per trial")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="batches read before the clock starts (start-up: workers starting and mapping the ring)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over all loaders; rows give the median (make bench-loader-cosmo uses 5)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4], help="PyTorch loader workers")
+    parser.add_argument("--before_workers", type=int, default=2,
+                        help="workers of the row that reads into fresh shared memory per batch (the loader before "
+                             "the ring); 0: no such row")
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 4], help="cosmo: DALI threads")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.nbatches < 1:
-        parser.error("--repeats and --nbatches must be at least 1")
+    if args.repeats < 1 or args.nbatches < 1 or args.warmup < 0:
+        parser.error("--repeats and --nbatches must be at least 1, --warmup at least 0")
     args.out = args.out or f"bench_results/loader_{args.dataset}.json"
     args.batch = args.batch or (16 if args.dataset == "cosmo" else 4)
     if args.dataset == "cosmo":
@@ -151,11 +266,17 @@ def main(argv=None):
             label = f"{'PyTorch' if config == 'pytorch' else 'DALI'}, {workers} workers"
             # told each epoch as training does (a DALI loader takes an untold epoch for a jump: a new pipeline)
             trials.append((label, lambda params=params: endless_batches(get_data_loader(params, train=True))))
+    if args.before_workers:
+        params = loader_params(args.data_dir, args.batch, 0, args.height, args.width)
+        trials.append((BEFORE.format(name="PyTorch", workers=args.before_workers),
+                       lambda: fresh_shared_memory_batches(get_data_loader(params, train=True), args.before_workers)))
     rows = measure(trials, args)
+    speedups = worker_speedups(rows, lambda count: f"PyTorch, {count} workers", args.workers)
     pair_mb = 2 * int(np.prod(next(per_sample_batches())[0].shape[1:])) * 4 / 1e6
     write_json(args.out, {"machine": cpu_cores(),
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
-                          "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows})
+                          "warmup": args.warmup, "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows,
+                          "worker_speedups": speedups})
     print(f"[bench_loader] written to {args.out}")
     return 0
 
@@ -179,7 +300,7 @@ def cosmo_main(args):
     if not os.path.isfile(os.path.join(args.data_dir, TRAIN_FILE)):
         print(f"[bench_loader] generating a {args.box}^3 cosmology box in {args.data_dir}", flush=True)
         write_cosmo(args.data_dir, train_size=args.box, valid_size=16, verbose=False)
-    epoch_steps = args.nbatches + 2
+    epoch_steps = args.warmup + args.nbatches + 2
     loader = get_data_loader(cosmo_params(args.data_dir, "lowmem", args.batch, 0, args.crop, epoch_steps), train=True)
     dataset = loader.dataset
     loader.set_epoch(0)
@@ -214,7 +335,12 @@ def cosmo_main(args):
             labels[config, count] = f"{'PyTorch lowmem' if config == 'lowmem' else dali_label}, {count} {unit}"
             trials.append((labels[config, count],
                            lambda params=params: endless_batches(get_data_loader(params, train=True))))
+    if args.before_workers:
+        params = cosmo_params(args.data_dir, "lowmem", args.batch, 0, args.crop, epoch_steps)
+        trials.append((BEFORE.format(name="PyTorch lowmem", workers=args.before_workers),
+                       lambda: fresh_shared_memory_batches(get_data_loader(params, train=True), args.before_workers)))
     rows = measure(trials, args)
+    speedups = worker_speedups(rows, lambda count: labels["lowmem", count], args.workers)
     # the target: DALI at least the PyTorch loader at equal threads, round by round (the same noisy moment)
     runs = {row["loader"]: row["runs"] for row in rows}
     versus = {}
@@ -229,8 +355,9 @@ def cosmo_main(args):
     sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
     write_json(args.out, {"machine": cpu_cores(),
                           "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
-                          "nbatches": args.nbatches, "repeats": args.repeats, "sample_pair_mb": sample_mb,
-                          "raw_reference": "raw h5py (1 thread)", "rows": rows, "dali_over_pytorch": versus})
+                          "nbatches": args.nbatches, "warmup": args.warmup, "repeats": args.repeats,
+                          "sample_pair_mb": sample_mb, "raw_reference": "raw h5py (1 thread)", "rows": rows,
+                          "worker_speedups": speedups, "dali_over_pytorch": versus})
     print(f"[bench_loader] written to {args.out}")
     return 0
 

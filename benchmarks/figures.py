@@ -335,14 +335,14 @@ def loader_comparison(doc, path):
     """The ERA5 loaders' samples/s against raw h5py reads of the same samples (bench_loader)."""
     plt = _plt()
     rows = doc["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.8))
-    colors = ["tab:gray" if row["loader"].startswith("raw") else
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.8))
+    colors = ["tab:gray" if row["loader"].startswith("raw") else "tab:red" if "before" in row["loader"] else
               "tab:green" if row["loader"].startswith("DALI") else "tab:blue" for row in rows]
     _barh(ax, [row["loader"] for row in rows], [row["samples_per_sec"] for row in rows], colors)
     for yi, row in zip(np.arange(len(rows))[::-1], rows):
         ax.annotate(f"{row['ratio_to_raw']:.0%} of raw", (row["samples_per_sec"], yi), textcoords="offset points",
                     xytext=(40, -3), fontsize=8, color="dimgray")
-    ax.set_xlim(0, max(row["samples_per_sec"] for row in rows) * 1.45)
+    ax.set_xlim(0, max(row["samples_per_sec"] for row in rows) * 1.6)
     image = "x".join(str(n) for n in doc.get("image", []))
     ax.set_xlabel(f"samples/s (batch {doc.get('batch', '?')}, {image} ERA5 sample pairs, page cache warm)")
     ax.set_title(f"ERA5 loaders against raw h5py reads\n{bench_machine(doc)}", fontsize=10)

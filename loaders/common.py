@@ -8,19 +8,24 @@ the same sampler (`sharded_sampler`: a seed shared by every rank, reshuffled per
 data-parallel rank), so a DALI loader returns the PyTorch loader's batches.
 This module imports no other loader module (loaders/era5.py, cosmo.py, images.py, dali_*.py import it).
 """
+import collections
 import copy
+import logging
 import math
 import warnings
+import weakref
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, default_collate, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
 from utils import signals
 from utils.errors import UserError
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
 TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
+PREFETCH = 2  # batches each worker reads ahead (DataLoader's prefetch_factor)
+SPARE_SLOTS = 2  # ring slots beyond those requested ahead: the batch handed out and the one before it
 
 
 class ResumableSampler(DistributedSampler):
@@ -57,13 +62,109 @@ def sharded_sampler(params, dataset, train):
 
 
 def batch_buffer(shape):
-    """A float32 tensor to read a batch into. In the main process a numpy allocation (numpy asks for huge pages
-    for large arrays: 4x fewer page faults than torch.empty here); in a loader worker, shared memory already, so
-    that handing the batch to the main process copies nothing (as default_collate does for what it stacks)."""
-    if get_worker_info() is None:
-        return torch.from_numpy(np.empty(shape, dtype=np.float32))
-    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
+    """A float32 tensor to read a batch into, in the process that reads it (numpy asks for huge pages for large
+    arrays: 4x fewer page faults than torch.empty here). Loader workers read into a BatchRing instead."""
+    return torch.from_numpy(np.empty(shape, dtype=np.float32))
+
+
+class BatchRing:
+    """Shared-memory buffers that loader workers read whole batches into, allocated once, before the workers start.
+
+    Why: a worker that returns a fresh tensor per batch makes a new shared-memory file per batch (create, map, fault
+    in every 4 KiB page in the worker, fault it in again in the training process, unmap): on the 2-core machine
+    that made 2 workers slower than none (`make bench-loader` measures both; docs/loaders.md). The ring's pages
+    are mapped once per process and reused for good.
+
+    One buffer per output, of `slots` batches. Batch number n (counted across epochs by the RingBatchSampler in
+    the training process) goes to slot n % slots; the worker reads into it and returns only (slot, rows). With
+    slots = workers x prefetch + 2, the DataLoader has at most workers x prefetch batches requested ahead of the
+    one it hands out, so a batch stays untouched while its caller takes the next one; taking the one after that
+    (or starting another pass) may overwrite it.
+    On a GPU node the buffers are registered as pinned memory (page-locked, in place), so the copy to the device
+    is asynchronous and there is no pin-memory thread copying every batch once more; the loader waits for a
+    batch's copy to finish before its slot is reused (see TorchLoader.__iter__)."""
+
+    def __init__(self, sample_shapes, batch_size, slots):
+        self.slots, self.batch_size = slots, batch_size
+        self.buffers = [_shared_tensor((slots, batch_size, *shape)) for shape in sample_shapes]
+        self.pinned = False
+        for buffer in self.buffers:  # the pages exist from here on; each worker maps them when it starts
+            buffer.zero_()
+
+    @property
+    def nbytes(self):
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    def touch(self):
+        """Map every page of the buffers into this process now (a read per 4 KiB page): each process faults the
+        ring in once, at start-up, not during the first batches of the run."""
+        for buffer in self.buffers:
+            buffer.view(-1)[::1024].sum()
+
+    def views(self, slot, rows):
+        """The batch in `slot`: its first `rows` samples (a last validation batch may be partial)."""
+        return tuple(buffer[slot, :rows] for buffer in self.buffers)
+
+    def pin(self):
+        """Page-lock the buffers in place for asynchronous copies to the GPU (training process, once; unlocked
+        when the ring is collected)."""
+        if not self.pinned:
+            cudart = torch.cuda.cudart()
+            for buffer in self.buffers:
+                error = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
+                if error:
+                    raise UserError(f"CUDA cannot page-lock the {buffer.nbytes / 1e9:.2f} GB the loader workers read "
+                                    f"batches into (cudaError {error}); raise the locked-memory limit (ulimit -l) "
+                                    "or lower --num_data_workers or the batch size")
+                weakref.finalize(self, cudart.cudaHostUnregister, buffer.data_ptr())
+            self.pinned = True
+        return self.pinned
+
+    def __getstate__(self):  # spawned workers get the buffers (shared memory), never a pinned flag
+        return {**self.__dict__, "pinned": False}
+
+
+def _shared_tensor(shape):
+    try:
+        storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
+    except RuntimeError as err:  # /dev/shm too small (a container's 64 MB default)
+        raise UserError(f"cannot allocate {np.prod(shape) * 4 / 1e9:.2f} GB of shared memory for the loader "
+                        f"workers' batches ({str(err).splitlines()[0]}); lower --num_data_workers or the batch size, "
+                        "or give /dev/shm more room (docker run --shm-size)") from None
     return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
+
+
+class RingBatchSampler:
+    """The sampler's indices in batches, each with the ring slot to read it into: (slot, indices). Runs in the
+    training process; the batch count goes on across epochs and passes, so slots follow one another."""
+
+    def __init__(self, sampler, batch_size, drop_last, slots):
+        self.batches = BatchSampler(sampler, batch_size, drop_last)
+        self.slots, self.count = slots, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for indices in self.batches:
+            slot, self.count = self.count % self.slots, self.count + 1
+            yield slot, indices
+
+
+class RingReader(Dataset):
+    """What a loader worker runs: a request (slot, indices) is read by the dataset's `read_batch_into` straight
+    into the ring's slot; only (slot, rows) travels back to the training process."""
+
+    def __init__(self, dataset, ring):
+        self.dataset, self.ring = dataset, ring
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, request):
+        slot, indices = request
+        self.dataset.read_batch_into(indices, self.ring.views(slot, len(indices)))
+        return slot, len(indices)
 
 
 def batch_indices(sampler, batch_size, epoch, step):
@@ -94,14 +195,35 @@ def read_first_batch(dataset, sampler, batch_size):
 
 
 class TorchLoader:
-    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses."""
+    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses. With a BatchRing
+    (workers reading whole batches) it yields views of the ring: a batch stays valid while the next one is taken,
+    not beyond (clone() to keep one longer)."""
 
-    def __init__(self, dataset, sampler, loader):
+    def __init__(self, dataset, sampler, loader, batch_size, ring=None):
         self.dataset, self.sampler, self.loader = dataset, sampler, loader
-        self.batch_size = loader.batch_size
+        self.batch_size, self.ring = batch_size, ring
 
     def __iter__(self):
-        return iter(self.loader)
+        if self.ring is None:
+            yield from self.loader
+            return
+        if self.ring.pinned:  # copies of the last pass's batches, which this pass's first requests may overwrite
+            torch.cuda.synchronize()
+        batches = iter(self.loader)  # the first pass starts the (persistent) workers: forked before any pinning
+        pinned = torch.cuda.is_available() and self.ring.pin()
+        copied = collections.deque()  # per batch handed out: an event after its copy to the device was queued
+        while True:
+            # the next request reuses the slot of the batch before last: its copy must have finished
+            while len(copied) > 1:
+                copied.popleft().synchronize()
+            try:
+                slot, rows = next(batches)
+            except StopIteration:
+                return
+            yield self.ring.views(slot, rows)
+            if pinned:  # the caller asks for the next batch: it has queued this one's copy on its stream
+                copied.append(torch.cuda.Event())
+                copied[-1].record()
 
     def __len__(self):
         """Steps in a whole epoch (also right after set_epoch(epoch, skip))."""
@@ -129,19 +251,30 @@ class TorchLoader:
 
 
 def torch_loader(params, dataset, train):
-    """The PyTorch loader (TorchLoader) of one split of `dataset`, sharded over the data-parallel ranks."""
+    """The PyTorch loader (TorchLoader) of one split of `dataset`, sharded over the data-parallel ranks. Datasets
+    that read whole batches into given buffers (`read_batch_into`: ERA5, cosmology) get a BatchRing when there are
+    workers."""
     batch_size = split_batch_size(params, train)
     sampler = sharded_sampler(params, dataset, train)
     workers = params.num_data_workers
-    # datasets that read whole batches (ERA5, cosmology: __getitems__) hand them on without a collate copy
-    collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                        num_workers=workers, drop_last=train, pin_memory=torch.cuda.is_available(),
-                        persistent_workers=workers > 0, worker_init_fn=_seed_worker,
-                        generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
-    return TorchLoader(dataset, sampler, loader)
+    common = dict(num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker,
+                  generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
+    if workers and hasattr(dataset, "read_batch_into"):
+        slots = workers * PREFETCH + SPARE_SLOTS
+        ring = BatchRing(dataset.sample_shapes(), batch_size, slots)
+        logging.info(f"Loader workers read into a ring of {slots} batches in shared memory "
+                     f"({ring.nbytes / 1e9:.2f} GB)")
+        batches = RingBatchSampler(sampler, batch_size, train, slots)
+        loader = DataLoader(RingReader(dataset, ring), batch_sampler=batches, collate_fn=_batched_already,
+                            prefetch_factor=PREFETCH, **common)
+        return TorchLoader(dataset, sampler, loader, batch_size, ring)
+    # datasets that read whole batches (ERA5, cosmology: __getitems__) hand them on without a collate copy
+    collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=train,
+                        pin_memory=torch.cuda.is_available(), **common)
+    return TorchLoader(dataset, sampler, loader, batch_size)
 
 
 def _batched_already(batch):
@@ -150,6 +283,9 @@ def _batched_already(batch):
 
 def _seed_worker(worker_id):
     np.random.seed(torch.initial_seed() % (2**32 - 1))
+    dataset = get_worker_info().dataset
+    if isinstance(dataset, RingReader):
+        dataset.ring.touch()
 
 
 # --- the parts every DALI loader shares (loaders/dali_era5.py, loaders/dali_cosmo.py) ---

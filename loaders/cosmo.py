@@ -321,23 +321,30 @@ class CosmoDataset(Dataset):
         if not untouched:
             transform_into(out, window, plan, steps)
 
+    def sample_shapes(self):
+        """Shapes of one sample's input (N_in, d, d, d) and target (N_out, d, d, d)."""
+        return tuple((channels, *(self.crop_size,) * 3) for channels in (self.n_in_channels, self.n_out_channels))
+
     def __getitems__(self, keys):
-        """A whole batch (inp (B, N_in, d, d, d), tar (B, N_out, d, d, d)): every crop read and turned straight into
-        its slot of one buffer per output (shared memory in a loader worker), no per-sample arrays and no collate
-        copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items stacked (tested)."""
-        d = self.crop_size
-        tensors = [batch_buffer((len(keys), channels, d, d, d)) for channels in (self.n_in_channels,
-                                                                                self.n_out_channels)]
-        batches = [tensor.numpy() for tensor in tensors]
+        """A whole batch (inp (B, N_in, d, d, d), tar (B, N_out, d, d, d)): see read_batch_into. No per-sample arrays
+        and no collate copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items stacked
+        (tested)."""
+        batch = tuple(batch_buffer((len(keys), *shape)) for shape in self.sample_shapes())
+        self.read_batch_into(keys, batch)
+        return batch
+
+    def read_batch_into(self, keys, batch):
+        """The crops of `keys` read and turned straight into the rows of `batch` (inp, tar) float32 tensors (fresh
+        buffers, or a slot of the loader workers' BatchRing)."""
+        arrays = [tensor.numpy() for tensor in batch]
         for row, key in enumerate(keys):
             plan = self.plan(key)
             if self.mode in ("lowmem", "dali-lowmem"):
-                for which, batch in enumerate(batches):
-                    self._turn_window_into(batch[row], which, plan)
+                for which, array in enumerate(arrays):
+                    self._turn_window_into(array[row], which, plan)
             else:  # views of a volume in memory
-                for batch, volume in zip(batches, self._read(plan.corner)):
-                    transform_into(batch[row], volume, plan, self._scratch(batch[row].size)[1:])
-        return tuple(tensors)
+                for array, volume in zip(arrays, self._read(plan.corner)):
+                    transform_into(array[row], volume, plan, self._scratch(array[row].size)[1:])
 
     def describe(self, keys):
         """Where samples `keys` come from: the file and each crop's corner, rotation and flips."""

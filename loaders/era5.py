@@ -128,21 +128,31 @@ class ERA5Dataset(Dataset):
             steps.setdefault(self.files_paths[year_idx], []).append(f"{step}(+{self.dt})")
         return "; ".join(f"{path} time steps {', '.join(found)}" for path, found in steps.items())
 
+    def sample_shapes(self):
+        """Shapes of one sample's input and target (C, H, W)."""
+        return ((self.n_channels, self.img_h, self.img_w),) * 2
+
     def __getitems__(self, indices):
-        """A whole batch: every sample read straight into one (B, C, H, W) buffer per output, then normalised in
-        place. No per-sample arrays, no temporaries, no collate copy (the DataLoader hands the batch on as is);
-        the values are bitwise those of __getitem__ stacked."""
-        shape = (len(indices), self.n_channels, self.img_h, self.img_w)
-        inp_tensor, tar_tensor = batch_buffer(shape), batch_buffer(shape)
-        inp, tar = inp_tensor.numpy(), tar_tensor.numpy()
+        """A whole batch (inp, tar) (B, C, H, W): see read_batch_into. No per-sample arrays, no temporaries, no
+        collate copy (the DataLoader hands the batch on as is); the values are bitwise those of __getitem__
+        stacked."""
+        batch = tuple(batch_buffer((len(indices), *shape)) for shape in self.sample_shapes())
+        self.read_batch_into(indices, batch)
+        return batch
+
+    def read_batch_into(self, indices, batch):
+        """Samples `indices` read straight into the rows of `batch` (inp, tar) (B, C, H, W) float32 tensors (fresh
+        buffers, or a slot of the loader workers' BatchRing), then normalised in place."""
+        inp, tar = (tensor.numpy() for tensor in batch)
         for row, index in enumerate(indices):
             year_idx, step = self.position(index)
-            self.read_into(year_idx, step, inp[row])
-            self.read_into(year_idx, step + self.dt, tar[row])
-        for batch in (inp, tar):
-            batch -= self.means
-            batch /= self.stds
-        return inp_tensor, tar_tensor
+            for array, at in ((inp, step), (tar, step + self.dt)):
+                self.read_into(year_idx, at, array[row])
+                # a channel at a time, while the frame just read is still in the cache (fewer passes over memory,
+                # which is what workers on every core share)
+                for plane, mean, std in zip(array[row], self.means, self.stds):
+                    plane -= mean
+                    plane /= std
 
     def read_into(self, year_idx, step, out):
         """Time step `step` of year `year_idx`, unnormalised, read straight into `out` (C, H, W) float32."""

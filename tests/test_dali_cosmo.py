@@ -219,13 +219,20 @@ def test_bench_loader_cosmo_reports_every_loader_against_the_raw_rate(tmp_path):
     from benchmarks import bench_loader
     out = tmp_path / "loader.json"
     assert bench_loader.main(["--dataset", "cosmo", "--data_dir", str(tmp_path / "cosmo"), "--box", "32", "--crop",
-                              "16", "--nbatches", "2", "--workers", "1", "--threads", "1", "--repeats", "2",
-                              "--out", str(out)]) == 0
+                              "16", "--nbatches", "2", "--warmup", "1", "--workers", "0", "1", "--threads", "1",
+                              "--repeats", "2", "--before_workers", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     rows = {row["loader"]: row for row in results["rows"]}
     device = "GPU" if torch.cuda.is_available() else "CPU"
     dali, pytorch = f"DALI ({device}), 1 threads", "PyTorch lowmem, 1 workers"
-    assert set(rows) == {"raw npy memmap (1 thread)", "raw h5py (1 thread)", pytorch, dali}
+    before = "PyTorch lowmem, 1 workers, fresh shared memory per batch (before the ring)"
+    assert set(rows) == {"raw npy memmap (1 thread)", "raw h5py (1 thread)", "PyTorch lowmem, 0 workers", pytorch,
+                         dali, before}
+    # CPU time per batch is read from /proc for the process and its workers
+    assert all(rows[label]["per_batch"]["user_ms"] + rows[label]["per_batch"]["system_ms"] > 0
+                for label in (pytorch, before))
+    assert results["worker_speedups"]["1"]["over_0"]["runs"] == pytest.approx(
+        [w / z for w, z in zip(rows[pytorch]["runs"], rows["PyTorch lowmem, 0 workers"]["runs"])])
     # the ratios are to the raw h5py rate of the same windows (the memory map's row is extra information)
     assert results["raw_reference"] == "raw h5py (1 thread)" and results["box"] == [32, 32, 32]
     raw = rows["raw h5py (1 thread)"]["samples_per_sec"]

@@ -135,10 +135,11 @@ def test_bench_loader_reports_every_loader_against_the_raw_rate(tmp_path):
     from benchmarks import bench_loader
     out = tmp_path / "loader.json"
     assert bench_loader.main(["--data_dir", str(tmp_path / "era5"), "--height", "16", "--width", "32", "--nbatches",
-                              "2", "--workers", "0", "--out", str(out)]) == 0
+                              "2", "--warmup", "1", "--workers", "0", "--before_workers", "0", "--out", str(out)]) == 0
     rows = {row["loader"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"raw h5py (1 thread)", "per-sample (the loader before), 0 workers", "PyTorch, 0 workers",
                          "DALI, 0 workers"}
     assert all(row["samples_per_sec"] > 0 for row in rows.values())
+    assert all(set(row["per_batch"]) == {"user_ms", "system_ms", "page_faults"} for row in rows.values())
     assert rows["PyTorch, 0 workers"]["ratio_to_raw"] == pytest.approx(
         rows["PyTorch, 0 workers"]["samples_per_sec"] / rows["raw h5py (1 thread)"]["samples_per_sec"])
