@@ -40,6 +40,7 @@ def assert_same(got, expected):
         assert torch.equal(inp, ref_inp) and torch.equal(tar, ref_tar)
 
 
+@pytest.mark.compat
 @pytest.mark.multiprocess
 def test_two_workers_give_the_batches_of_none_through_the_ring(data):  # noqa: F811
     """Epochs after each other, a resume mid-epoch, a pass left early then a whole one, and validation with a
@@ -65,6 +66,7 @@ def test_two_workers_give_the_batches_of_none_through_the_ring(data):  # noqa: F
     assert_same(pass_of(valid_two, 1), expected)
 
 
+@pytest.mark.compat
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("spare", [2, 0])
 def test_a_batch_stays_untouched_while_the_next_is_taken(data, monkeypatch, spare):  # noqa: F811
