@@ -38,10 +38,10 @@ import time
 
 import h5py
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from benchmarks.common import REPO_ROOT, cpu_cores
+from loaders.common import TorchLoader, batched_already, read_whole_batch, shared_tensor
 from utils.atomic import write_json
 from utils.benchy import endless_batches
 from utils.errors import ArgumentParser
@@ -170,27 +170,14 @@ class FreshSharedMemory(Dataset):
         return len(self.dataset)
 
     def __getitems__(self, indices):
-        batch = []
-        for shape in self.dataset.sample_shapes():
-            storage = torch.UntypedStorage._new_shared(int(np.prod((len(indices), *shape))) * 4)
-            batch.append(torch.empty(0, dtype=torch.float32).set_(storage, 0, (len(indices), *shape)))
-        self.dataset.read_batch_into(indices, batch)
-        return tuple(batch)
+        return read_whole_batch(self.dataset, indices, allocate=shared_tensor)
 
 
 def fresh_shared_memory_batches(loader, workers):
     """Endless batches of `loader`'s dataset and sampler through FreshSharedMemory with `workers` workers."""
     fresh = DataLoader(FreshSharedMemory(loader.dataset), batch_size=loader.batch_size, sampler=loader.sampler,
-                       collate_fn=_as_read, num_workers=workers, persistent_workers=True, drop_last=True)
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from fresh
-        epoch += 1
-
-
-def _as_read(batch):
-    return batch
+                       collate_fn=batched_already, num_workers=workers, persistent_workers=True, drop_last=True)
+    return endless_batches(TorchLoader(loader.dataset, loader.sampler, fresh, loader.batch_size))
 
 
 def endless(iterable_factory):

@@ -67,6 +67,14 @@ def batch_buffer(shape):
     return torch.from_numpy(np.empty(shape, dtype=np.float32))
 
 
+def read_whole_batch(dataset, keys, allocate=batch_buffer):
+    """The batch of `keys` (a tuple of tensors, one per output) read by `dataset.read_batch_into` into buffers
+    from `allocate(shape)`: the `__getitems__` of the datasets that read whole batches (ERA5, cosmology)."""
+    batch = tuple(allocate((len(keys), *shape)) for shape in dataset.sample_shapes())
+    dataset.read_batch_into(keys, batch)
+    return batch
+
+
 class BatchRing:
     """Shared-memory buffers that loader workers read whole batches into, allocated once, before the workers start.
 
@@ -85,8 +93,8 @@ class BatchRing:
     batch's copy to finish before its slot is reused (see TorchLoader.__iter__)."""
 
     def __init__(self, sample_shapes, batch_size, slots):
-        self.slots, self.batch_size = slots, batch_size
-        self.buffers = [_shared_tensor((slots, batch_size, *shape)) for shape in sample_shapes]
+        self.slots = slots
+        self.buffers = [shared_tensor((slots, batch_size, *shape)) for shape in sample_shapes]
         self.pinned = False
         for buffer in self.buffers:  # the pages exist from here on; each worker maps them when it starts
             buffer.zero_()
@@ -124,7 +132,8 @@ class BatchRing:
         return {**self.__dict__, "pinned": False}
 
 
-def _shared_tensor(shape):
+def shared_tensor(shape):
+    """A float32 tensor of `shape` in shared memory (what a loader worker can hand over without a copy)."""
     try:
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
     except RuntimeError as err:  # /dev/shm too small (a container's 64 MB default)
@@ -267,17 +276,18 @@ def torch_loader(params, dataset, train):
         logging.info(f"Loader workers read into a ring of {slots} batches in shared memory "
                      f"({ring.nbytes / 1e9:.2f} GB)")
         batches = RingBatchSampler(sampler, batch_size, train, slots)
-        loader = DataLoader(RingReader(dataset, ring), batch_sampler=batches, collate_fn=_batched_already,
+        loader = DataLoader(RingReader(dataset, ring), batch_sampler=batches, collate_fn=batched_already,
                             prefetch_factor=PREFETCH, **common)
         return TorchLoader(dataset, sampler, loader, batch_size, ring)
     # datasets that read whole batches (ERA5, cosmology: __getitems__) hand them on without a collate copy
-    collate_fn = _batched_already if hasattr(dataset, "__getitems__") else None
+    collate_fn = batched_already if hasattr(dataset, "__getitems__") else None
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=train,
                         pin_memory=torch.cuda.is_available(), **common)
     return TorchLoader(dataset, sampler, loader, batch_size)
 
 
-def _batched_already(batch):
+def batched_already(batch):
+    """The collate_fn of datasets that return whole batches: the batch as read."""
     return batch
 
 

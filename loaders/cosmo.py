@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from loaders.common import ResumableSampler, batch_buffer, torch_loader
+from loaders.common import ResumableSampler, read_whole_batch, torch_loader
 from utils.errors import UserError
 
 COSMO_HINT = ("generate sample data with `python -m sample_data cosmo --out data/cosmo` "
@@ -329,9 +329,7 @@ class CosmoDataset(Dataset):
         """A whole batch (inp (B, N_in, d, d, d), tar (B, N_out, d, d, d)): see read_batch_into. No per-sample arrays
         and no collate copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items stacked
         (tested)."""
-        batch = tuple(batch_buffer((len(keys), *shape)) for shape in self.sample_shapes())
-        self.read_batch_into(keys, batch)
-        return batch
+        return read_whole_batch(self, keys)
 
     def read_batch_into(self, keys, batch):
         """The crops of `keys` read and turned straight into the rows of `batch` (inp, tar) float32 tensors (fresh

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from loaders.common import batch_buffer, torch_loader
+from loaders.common import read_whole_batch, torch_loader
 from utils.errors import UserError
 
 SAMPLE_DATA_HINT = ("generate sample data with `python -m sample_data era5 --out data/era5` "
@@ -136,9 +136,7 @@ class ERA5Dataset(Dataset):
         """A whole batch (inp, tar) (B, C, H, W): see read_batch_into. No per-sample arrays, no temporaries, no
         collate copy (the DataLoader hands the batch on as is); the values are bitwise those of __getitem__
         stacked."""
-        batch = tuple(batch_buffer((len(indices), *shape)) for shape in self.sample_shapes())
-        self.read_batch_into(indices, batch)
-        return batch
+        return read_whole_batch(self, indices)
 
     def read_batch_into(self, indices, batch):
         """Samples `indices` read straight into the rows of `batch` (inp, tar) (B, C, H, W) float32 tensors (fresh
