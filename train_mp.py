@@ -14,7 +14,7 @@ import torch
 
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
-from distributed.mappings import init_ddp_model_and_reduction_hooks
+from distributed.parallelize import parallelize
 from distributed.serial_state import (
     load_serial_optimizer_state,
     load_serial_state_dict,
@@ -56,6 +56,8 @@ def main(argv=None):
     parser.add_argument("--tensor_parallel", type=int, default=1, help="ranks that split each layer's weights (tp)")
     parser.add_argument("--context_parallel", type=int, default=1, help="ranks that split the sequence (cp)")
     parser.add_argument("--parallel_order", type=str, default="tp-cp-dp", help="rank order, first name fastest")
+    parser.add_argument("--activation_checkpointing", action="store_true",
+                        help="recompute each transformer block's forward in the backward pass (less memory)")
     args = parser.parse_args(argv)
     params = load_config(args)
     # the tp x cp x dp grid: groups "tp", "cp", "tp-cp", "dp", "dp-cp"; dp = world / (tp * cp)
@@ -92,11 +94,7 @@ def main(argv=None):
                                      lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
 
     # wrap for data parallelism over "dp"
-    if comm.get_world_size() > 1 and not args.noddp:  # DDP's hook also sums the grads of cp-shared weights over "cp"
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = init_ddp_model_and_reduction_hooks(model, device_ids, device_ids, bucket_cap_mb=args.bucket_cap_mb,
-                                                   broadcast_buffers=not args.disable_broadcast_buffers,
-                                                   gradient_as_bucket_view=args.disable_broadcast_buffers)
+    model = parallelize(model, args, device)  # activation checkpointing, then DDP: distributed/parallelize.py
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
 

@@ -152,6 +152,13 @@ def test_what_cannot_be_captured_is_one_line(flags, expected, emulated_graphs, e
     assert line.startswith(expected)
 
 
+def test_activation_checkpointing_is_refused_in_the_captured_step(emulated_graphs, era5_dir, tmp_path, capsys):
+    line = error_line(train_mp_graphs.main, ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                                             "--activation_checkpointing"], capsys)
+    assert line.startswith("error: --activation_checkpointing is not supported in the captured step")
+    assert line.endswith("use train_mp.py")
+
+
 @pytest.mark.compat
 @pytest.mark.parametrize("main, layout", [(train_graph.main, "1GPU"), (train_mp_graphs.main, "1MP")])
 def test_the_captured_step_is_train_py_step(main, layout, eager, emulated_graphs, step_losses, era5_dir,

@@ -1,10 +1,10 @@
 """train_mp.py (tensor and context parallel ViT, composed with data parallelism) against the serial train.py.
 
-On CPU with gloo: tp=2, cp=2, tp=2 x cp=2 and tp=2 x dp=2 reproduce the serial run's TensorBoard points and
-weights after 20 iterations; tp = cp = 1 is train.py; checkpoints (serial layout) load at any layout and give
-the same loss on the same batch; every copy of a shared weight stays bitwise equal across ranks while training.
-A failure points to distributed/ (layers, mappings, serial_state), networks/vit.py (_distribute, the cp
-scatter/gather) or train_mp.py.
+On CPU with gloo: tp=2, cp=2, tp=2 x cp=2, tp=2 x dp=2 and tp=2 with activation checkpointing reproduce the
+serial run's TensorBoard points and weights after 20 iterations; tp = cp = 1 is train.py; checkpoints (serial
+layout) load at any layout and give the same loss on the same batch; every copy of a shared weight stays bitwise
+equal across ranks while training. A failure points to distributed/ (layers, mappings, serial_state,
+parallelize), networks/vit.py (_distribute, the cp scatter/gather) or train_mp.py.
 """
 import os
 
@@ -69,10 +69,12 @@ def assert_same_run(got, expected, after_step=-1):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("nproc, tp, cp", [(2, 2, 1), (2, 1, 2), (4, 2, 1)], ids=["tp2", "cp2", "tp2xdp2"])
+@pytest.mark.parametrize("nproc, tp, cp, flags", [(2, 2, 1, ()), (2, 1, 2, ()), (4, 2, 1, ()),
+                                                  (2, 2, 1, ("--activation_checkpointing",))],
+                         ids=["tp2", "cp2", "tp2xdp2", "tp2-activation-checkpointing"])
 @pytest.mark.multiprocess
-def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp):
-    (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp)
+def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp, flags):
+    (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp, *flags)
     assert_same_run(got, serial)
     assert f"Setting DP = {nproc // (tp * cp)}, TP = {tp}, CP = {cp}" in log
     assert "Scaffolding memory high watermark:" in log and " Memory usage after forward pass:" in log

@@ -69,6 +69,10 @@ def check_support(params, args, device, script):
     if args.parallel == "dp":
         raise UserError("--parallel dp (DataParallel) splits each batch from the host and cannot be captured; "
                         "launch one process per GPU (torchrun --nproc_per_node N) instead")
+    if getattr(args, "activation_checkpointing", False):  # a flag of the model-parallel scripts only
+        raise UserError("--activation_checkpointing is not supported in the captured step (its recomputation saves "
+                        "and restores the random state around each block, which has not been tried under capture); "
+                        f"use {instead}")
     for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
         if os.environ.get(name, "0") not in ("", "0"):
             raise UserError(f"{name} makes the host wait for each collective, which a CUDA graph cannot capture; "

@@ -49,3 +49,31 @@ def peak_memory_gb(device):
         return torch.cuda.max_memory_allocated(device) / 1024**3
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
+
+
+class SavedActivations:
+    """Bytes that autograd keeps for the backward pass while this context is open (torch.autograd.graph's
+    saved-tensor hooks): every saved tensor's storage counted once, the model's parameters left out (they are held
+    anyway). A measurement of the activation memory of a forward pass, on any device."""
+
+    def __init__(self, model):
+        self.parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+        self.storages = {}
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def nbytes(self):
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
