@@ -59,12 +59,15 @@ def main(argv=None):
     parser.add_argument("--tensor_parallel", type=int, default=1, help="ranks that split each layer's weights (tp)")
     parser.add_argument("--context_parallel", type=int, default=1, help="ranks that split the sequence (cp)")
     parser.add_argument("--parallel_order", type=str, default="tp-cp-dp", help="rank order, first name fastest")
+    parser.add_argument("--sequence_parallel", action="store_true",
+                        help="split the tokens over tp between the blocks (needs --tensor_parallel > 1)")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="recompute each transformer block's forward in the backward pass (less memory)")
     args = parser.parse_args(argv)
     params = load_config(args)
     # the tp x cp x dp grid: groups "tp", "cp", "tp-cp", "dp", "dp-cp"; dp = world / (tp * cp)
-    params.update({"tp": args.tensor_parallel, "cp": args.context_parallel, "order": args.parallel_order})
+    params.update({"tp": args.tensor_parallel, "cp": args.context_parallel, "order": args.parallel_order,
+                   "sequence_parallel": args.sequence_parallel})
     comm.init(params, rendezvous_timeout=args.dist_timeout)
     run = start_run(args, params, layout=f"{args.tensor_parallel * args.context_parallel}MP")
     device = run.device

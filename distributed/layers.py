@@ -7,6 +7,10 @@ each rank keeps a chunk of the tokens, and attention gathers the keys and values
 Weights are then shared over cp ranks whose gradients each cover only their tokens: helpers.mark_shared names the
 groups over which those gradients are summed (`mark_for_reduction`, see mappings.init_ddp_model_and_reduction_hooks)
 and the groups over which copies must stay equal (`is_shared_mp`, helpers.init_params_for_shared_weights).
+Sequence parallelism (`sequence_shapes`: tokens per tp rank) splits the tokens of each cp chunk over tp between
+the blocks as well: a column-parallel entry all-gathers them over tp (its backward reduce-scatters) instead of
+copying, and the row-parallel exit reduce-scatters them instead of all-reducing (same volume); the norms and the
+biases after a row-parallel sum then see this rank's tokens only, and their gradients are summed over tp too.
 `load_serial(module)` copies this rank's shard of a serial layer's weights (exact initialisation, tests).
 """
 import torch
@@ -14,17 +18,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed.helpers import mark_shared
-from distributed.mappings import all_gather_from_parallel_region, copy_to_parallel_region, reduce_from_parallel_region
+from distributed.mappings import (
+    all_gather_from_parallel_region,
+    copy_to_parallel_region,
+    reduce_from_parallel_region,
+    reduce_scatter_to_parallel_region,
+)
 from utils import comm
 
 
 class DistributedMatmul(nn.Module):
     """y = x W^T + b with W split over `comm_out_name` (output features: column-parallel) or `comm_inp_name`
-    (input features: row-parallel; the partial products are summed before the bias is added once)."""
+    (input features: row-parallel; the partial products are summed before the bias is added once). With
+    `sequence_shapes` (sequence parallelism) the tokens enter all-gathered and leave reduce-scattered over tp."""
 
-    def __init__(self, inp_dim, out_dim, comm_inp_name, comm_out_name, comm_act_name="cp", bias=True):
+    def __init__(self, inp_dim, out_dim, comm_inp_name, comm_out_name, comm_act_name="cp", bias=True,
+                 sequence_shapes=None):
         super().__init__()
         self.comm_inp_name, self.comm_out_name, self.comm_act_name = comm_inp_name, comm_out_name, comm_act_name
+        self.sequence_shapes = sequence_shapes  # sequence parallelism: tokens per tp rank between the blocks
         inp_size, out_size = comm.get_size(comm_inp_name), comm.get_size(comm_out_name)
         if inp_size > 1 and out_size > 1:
             raise ValueError("DistributedMatmul splits either the input or the output features, not both")
@@ -36,7 +48,10 @@ class DistributedMatmul(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(1, 1, out_dim // out_size))
-            mark_shared(self.bias, [comm_inp_name, comm_act_name], [comm_act_name])
+            # after a row-parallel sum the bias is shared over tp; under sequence parallelism it meets only this
+            # rank's tokens, so its gradient is summed over tp as well
+            summed = [comm_inp_name, comm_act_name] if sequence_shapes else [comm_act_name]
+            mark_shared(self.bias, [comm_inp_name, comm_act_name], summed)
 
     @staticmethod
     def shard(tensor, dim, name):
@@ -51,9 +66,20 @@ class DistributedMatmul(nn.Module):
         if self.bias is not None:
             self.bias.copy_(self.shard(linear.bias, 0, self.comm_out_name).view(1, 1, -1))
 
-    def forward(self, x):
-        x = copy_to_parallel_region(x, self.comm_out_name)
-        y = reduce_from_parallel_region(F.linear(x, self.weight), self.comm_inp_name)
+    def enter(self, x):
+        """Into a column-parallel matmul: identity forward, the gradient all-reduced over tp backward; under sequence
+        parallelism, this rank's tokens all-gathered over tp forward, the gradient reduce-scattered backward."""
+        if self.sequence_shapes:
+            return all_gather_from_parallel_region(x, 1, self.sequence_shapes, self.comm_out_name)
+        return copy_to_parallel_region(x, self.comm_out_name)
+
+    def forward(self, x, entered=False):
+        """`entered`: x already went through enter() (attention's q, k and v share one entry)."""
+        y = F.linear(x if entered else self.enter(x), self.weight)
+        if self.sequence_shapes:  # out of a row-parallel matmul: the sum over tp, scattered by tokens
+            y = reduce_scatter_to_parallel_region(y, 1, self.sequence_shapes, self.comm_inp_name)
+        else:
+            y = reduce_from_parallel_region(y, self.comm_inp_name)
         return y + self.bias if self.bias is not None else y
 
 
@@ -61,13 +87,15 @@ class DistributedMLP(nn.Module):
     """fc1 column-parallel (the hidden width split over tp), activation, fc2 row-parallel: one all-reduce."""
 
     def __init__(self, in_features, hidden_features=None, out_features=None, comm_tp_name="tp", comm_cp_name="cp",
-                 act_layer=nn.GELU, drop=0.0):
+                 act_layer=nn.GELU, drop=0.0, sequence_shapes=None):
         super().__init__()
         hidden_features = hidden_features or in_features
         out_features = out_features or in_features
-        self.fc1 = DistributedMatmul(in_features, hidden_features, None, comm_tp_name, comm_cp_name)
+        self.fc1 = DistributedMatmul(in_features, hidden_features, None, comm_tp_name, comm_cp_name,
+                                     sequence_shapes=sequence_shapes)
         self.act = act_layer()
-        self.fc2 = DistributedMatmul(hidden_features, out_features, comm_tp_name, None, comm_cp_name)
+        self.fc2 = DistributedMatmul(hidden_features, out_features, comm_tp_name, None, comm_cp_name,
+                                     sequence_shapes=sequence_shapes)
         self.drop = nn.Dropout(drop)
 
     def load_serial(self, mlp):
@@ -83,7 +111,7 @@ class DistributedAttention(nn.Module):
     keys and values of the whole sequence gathered over cp, proj row-parallel."""
 
     def __init__(self, dim, comm_tp_name="tp", comm_cp_name="cp", cp_shapes=None, num_heads=8, qkv_bias=False,
-                 attn_drop=0.0, proj_drop=0.0):
+                 attn_drop=0.0, proj_drop=0.0, sequence_shapes=None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
@@ -92,11 +120,10 @@ class DistributedAttention(nn.Module):
         self.num_heads_local = num_heads // comm.get_size(comm_tp_name)
         self.head_dim = dim // num_heads
         self.comm_cp_name, self.cp_shapes = comm_cp_name, cp_shapes
-        self.q = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
-        self.k = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
-        self.v = DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias)
+        self.q, self.k, self.v = (DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias,
+                                                    sequence_shapes=sequence_shapes) for _ in range(3))
         self.attn_drop = attn_drop
-        self.proj = DistributedMatmul(dim, dim, comm_tp_name, None, comm_cp_name)
+        self.proj = DistributedMatmul(dim, dim, comm_tp_name, None, comm_cp_name, sequence_shapes=sequence_shapes)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def load_serial(self, attention):
@@ -104,12 +131,13 @@ class DistributedAttention(nn.Module):
             getattr(self, name).load_serial(getattr(attention, name))
 
     def forward(self, x):
-        B, N, _ = x.shape  # N: this rank's tokens
+        x = self.q.enter(x)  # one entry for q, k and v (under sequence parallelism: one all-gather of the tokens)
+        B, N, _ = x.shape  # N: this rank's tokens (of its cp chunk)
 
         def heads(t):  # (B, n, local heads * head_dim) -> (B, local heads, n, head_dim)
             return t.view(B, t.shape[1], self.num_heads_local, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k, v = (heads(layer(x, entered=True)) for layer in (self.q, self.k, self.v))
         k = all_gather_from_parallel_region(k, 2, self.cp_shapes, self.comm_cp_name)  # the whole sequence
         v = all_gather_from_parallel_region(v, 2, self.cp_shapes, self.comm_cp_name)
         attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
@@ -118,16 +146,19 @@ class DistributedAttention(nn.Module):
 
 class DistributedLayerNorm(nn.Module):
     """nn.LayerNorm on tokens whose features are whole (replicated over tp) and sequence split over cp: its
-    weight and bias are shared over tp and cp, and their gradients are summed over cp. Default eps is the serial
-    blocks' 1e-6 (upstream's 1e-5 made the two models differ)."""
+    weight and bias are shared over tp and cp, and their gradients are summed over cp (and over tp under sequence
+    parallelism, where each tp rank holds other tokens). Default eps is the serial blocks' 1e-6 (upstream's 1e-5
+    made the two models differ)."""
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, bias=True, device=None, dtype=None,
-                 comm_tp_name="tp", comm_cp_name="cp"):
+                 comm_tp_name="tp", comm_cp_name="cp", sequence_parallel=False):
         super().__init__()
         self.norm = nn.LayerNorm(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                                  device=device, dtype=dtype)
+        # under sequence parallelism each tp rank normalises its own tokens: gradients summed over tp as well
+        summed = [comm_tp_name, comm_cp_name] if sequence_parallel else [comm_cp_name]
         for param in self.norm.parameters():
-            mark_shared(param, [comm_tp_name, comm_cp_name], [comm_cp_name])
+            mark_shared(param, [comm_tp_name, comm_cp_name], summed)
 
     @torch.no_grad()
     def load_serial(self, layer_norm):

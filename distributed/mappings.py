@@ -78,6 +78,19 @@ class _AllGatherFromParallelRegion(torch.autograd.Function):
         return reduce_scatter(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
 
 
+class _ReduceScatterToParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter (sum) along dim. Backward: all-gather of the gradient along dim."""
+
+    @staticmethod
+    def forward(ctx, x, dim, shapes, name):
+        ctx.dim, ctx.name, ctx.shapes = dim, name, shapes
+        return reduce_scatter(x, dim, shapes, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather(grad, ctx.dim, ctx.shapes, ctx.name), None, None, None
+
+
 def _active(name):
     return name is not None and comm.get_size(name) > 1
 
@@ -110,6 +123,13 @@ def gather_from_parallel_region(x, dim, shapes, comm_name):
 def all_gather_from_parallel_region(x, dim, shapes, comm_name):
     """All-gather along `dim` forward; reduce-scatter (sum) of the gradient backward (keys and values over cp)."""
     return _AllGatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+
+
+@torch.compiler.disable
+def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
+    """Reduce-scatter (sum) along `dim` forward (`shapes`: sizes per rank); all-gather of the gradient backward
+    (leave a row-parallel layer under sequence parallelism)."""
+    return _ReduceScatterToParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
 def _all_reduce_in_place(grads, name):

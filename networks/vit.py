@@ -101,7 +101,8 @@ class PatchEmbed(nn.Module):
 
 class VisionTransformer(nn.Module):
     def __init__(self, img_size, patch_size, in_chans, out_chans, embed_dim, depth, num_heads,
-                 mlp_ratio=MLP_RATIO, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0):
+                 mlp_ratio=MLP_RATIO, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0,
+                 sequence_parallel=False):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
@@ -121,6 +122,10 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.apply(self._init_weights)
         self.cp_shapes = compute_split_shapes(self.h * self.w, comm.get_size("cp"))
+        # sequence parallelism: between the blocks this rank's cp chunk of tokens is split again over tp
+        self.sequence_shapes = None
+        if sequence_parallel and comm.get_size("tp") > 1:
+            self.sequence_shapes = compute_split_shapes(self.cp_shapes[comm.get_rank("cp")], comm.get_size("tp"))
         if comm.get_size("tp") > 1 or comm.get_size("cp") > 1:
             self._distribute(num_heads)
 
@@ -130,12 +135,14 @@ class VisionTransformer(nn.Module):
         with torch.random.fork_rng(devices=[]):  # the distributed layers' own initialisation must not move the RNG
             for block in self.blocks:
                 dim, hidden = block.norm1.normalized_shape[0], block.mlp.fc1.out_features
+                sequence, split_tokens = {"sequence_shapes": self.sequence_shapes}, bool(self.sequence_shapes)
                 replacements = {
-                    "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps),
+                    "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps, sequence_parallel=split_tokens),
                     "attn": DistributedAttention(dim, cp_shapes=self.cp_shapes, num_heads=num_heads, qkv_bias=True,
-                                                 attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p),
-                    "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps),
-                    "mlp": DistributedMLP(dim, hidden, drop=block.mlp.drop.p),
+                                                 attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p,
+                                                 **sequence),
+                    "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps, sequence_parallel=split_tokens),
+                    "mlp": DistributedMLP(dim, hidden, drop=block.mlp.drop.p, **sequence),
                 }
                 for name, layer in replacements.items():
                     layer.load_serial(getattr(block, name))
@@ -159,8 +166,12 @@ class VisionTransformer(nn.Module):
         B = x.shape[0]
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
         x = scatter_to_parallel_region(x, 1, "cp")  # context parallel: this rank's tokens
+        if self.sequence_shapes:  # sequence parallel: this tp rank's part of them, between the blocks
+            x = scatter_to_parallel_region(x, 1, "tp")
         for block in self.blocks:
             x = block(x)
+        if self.sequence_shapes:
+            x = gather_from_parallel_region(x, 1, self.sequence_shapes, "tp")
         x = gather_from_parallel_region(self.norm(x), 1, self.cp_shapes, "cp")
         x = self.head(x)  # (B, N, p*p*C), channel fastest
         p = self.patch_size
@@ -178,9 +189,15 @@ def check_vit_params(params):
         raise UserError(f"embed_dim {params.embed_dim} is not divisible by num_heads "
                         f"{params.num_heads}; choose num_heads that divides embed_dim")
     tp, cp = comm.get_size("tp"), comm.get_size("cp")
+    if params.get("sequence_parallel") and params.get("tp", 1) < 2:  # the layout asked for, also under serial_layout
+        raise UserError("--sequence_parallel splits the tokens over the tensor-parallel group; it needs "
+                        "--tensor_parallel 2 or more")
     if cp > 1 and float(params.dropout) > 0:
         raise UserError(f"dropout {params.dropout} with context parallelism (cp = {cp}) would draw different masks "
                         "for the chunks of one sample on each cp rank; set dropout: 0 for cp > 1")
+    if params.get("sequence_parallel") and float(params.dropout) > 0:
+        raise UserError(f"dropout {params.dropout} with --sequence_parallel would draw different masks for the "
+                        "tokens of one sample on each tp rank; set dropout: 0, or leave out --sequence_parallel")
     if tp * cp > 1:  # heads and MLP width split over tp, tokens over cp
         mlp_hidden = int(params.embed_dim * params.get("mlp_ratio", MLP_RATIO))  # as Block computes it
         comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=mlp_hidden,
@@ -195,4 +212,4 @@ def ViT(params):
                              in_chans=params.n_in_channels, out_chans=params.n_out_channels,
                              embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
                              mlp_ratio=params.get("mlp_ratio", MLP_RATIO), drop_rate=dropout, attn_drop_rate=dropout,
-                             drop_path_rate=dropout)
+                             drop_path_rate=dropout, sequence_parallel=params.get("sequence_parallel", False))

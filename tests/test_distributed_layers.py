@@ -1,4 +1,5 @@
-"""The hand-written tp/cp layers against the serial layers, and against PyTorch's own DTensor.
+"""The hand-written tp/cp layers against the serial layers, and against PyTorch's own DTensor (tensor parallelism,
+and sequence parallelism with the tokens sharded in and out, with a twin: the bias gradient left unsummed over tp).
 
 In the style of the original tutorial's tests: a serial layer and its distributed twin hold the same weights
 (the twin its shard), see the same input (the twin its sequence chunk) and the same output gradient; the
@@ -144,6 +145,7 @@ def _dtensor_cross_check(rank, world, port, results):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from distributed.helpers import reduce, split
     from distributed.layers import DistributedMLP
     from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
     from networks.vit import MLP
@@ -170,7 +172,7 @@ def _dtensor_cross_check(rank, world, port, results):
     y_ours, y_theirs = ours_mlp(x_ours), twin(x_theirs)
     y_ours.sum().backward()
     y_theirs.sum().backward()
-    results[rank] = {
+    checks = {
         "scatter": torch.equal(ours, theirs), "gather": torch.equal(gathered, replicated),
         "output": rel_error(y_ours.detach(), y_theirs.detach()),
         "input grad": rel_error(x_ours.grad, x_theirs.grad),
@@ -178,6 +180,31 @@ def _dtensor_cross_check(rank, world, port, results):
         "fc2 weight grad": rel_error(ours_mlp.fc2.weight.grad, twin.fc2.weight.grad.to_local()),
         "fc2 bias grad": rel_error(ours_mlp.fc2.bias.grad.view(-1), twin.fc2.bias.grad.full_tensor()),
     }
+    # sequence parallelism: our MLP on this rank's tokens (all-gather in, reduce-scatter out) against torch's
+    # Colwise/RowwiseParallel with the tokens sharded on both sides (the SequenceParallel style's layouts)
+    ours_sp = DistributedMLP(16, 64, sequence_shapes=[3, 3])
+    ours_sp.load_serial(serial)
+    twin_sp = MLP(16, 64)
+    twin_sp.load_state_dict(serial.state_dict())
+    parallelize_module(twin_sp, mesh, {"fc1": ColwiseParallel(input_layouts=Shard(1)),
+                                       "fc2": RowwiseParallel(output_layouts=Shard(1))})
+    tokens = split(x, 1, "tp")  # (2, 3, 16): this rank's half of the 6 tokens
+    x_ours, x_theirs = tokens.clone().requires_grad_(), tokens.clone().requires_grad_()
+    y_ours, y_theirs = ours_sp(x_ours), twin_sp(x_theirs)
+    y_ours.sum().backward()
+    y_theirs.sum().backward()
+    bias_grad = twin_sp.fc2.bias.grad.full_tensor()
+    checks.update({
+        "sp output": rel_error(y_ours.detach(), y_theirs.detach()),
+        "sp input grad": rel_error(x_ours.grad, x_theirs.grad),
+        "sp fc1 weight grad": rel_error(ours_sp.fc1.weight.grad, twin_sp.fc1.weight.grad.to_local()),
+        "sp fc2 weight grad": rel_error(ours_sp.fc2.weight.grad, twin_sp.fc2.weight.grad.to_local()),
+        # the bias meets this rank's tokens only: its gradient is summed over tp (mark_for_reduction) ...
+        "sp fc2 bias grad": rel_error(reduce(ours_sp.fc2.bias.grad, "tp").view(-1), bias_grad),
+        "sp marked for the tp sum": "tp" in ours_sp.fc2.bias.mark_for_reduction,
+    })
+    checks["twin: sp fc2 bias grad unsummed"] = rel_error(ours_sp.fc2.bias.grad.view(-1), bias_grad)
+    results[rank] = checks  # one assignment: the manager's dict holds copies
     comm.destroy()
 
 
@@ -186,8 +213,9 @@ def test_mappings_and_tp_mlp_agree_with_dtensor():
     results = mp.Manager().dict()
     mp.spawn(_dtensor_cross_check, args=(2, free_port(), results), nprocs=2)
     for rank, checks in results.items():
-        assert checks["scatter"] and checks["gather"], (rank, checks)
-        errors = {k: v for k, v in checks.items() if k not in ("scatter", "gather")}
+        assert checks["scatter"] and checks["gather"] and checks["sp marked for the tp sum"], (rank, checks)
+        assert checks.pop("twin: sp fc2 bias grad unsummed") > 0.1, (rank, checks)  # half the tokens' gradient
+        errors = {k: v for k, v in checks.items() if k not in ("scatter", "gather", "sp marked for the tp sum")}
         assert max(errors.values()) <= TOLERANCE, (rank, errors)
 
 

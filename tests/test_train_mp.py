@@ -1,10 +1,10 @@
 """train_mp.py (tensor and context parallel ViT, composed with data parallelism) against the serial train.py.
 
-On CPU with gloo: tp=2, cp=2, tp=2 x cp=2, tp=2 x dp=2 and tp=2 with activation checkpointing reproduce the
-serial run's TensorBoard points and weights after 20 iterations; tp = cp = 1 is train.py; checkpoints (serial
-layout) load at any layout and give the same loss on the same batch; every copy of a shared weight stays bitwise
-equal across ranks while training. A failure points to distributed/ (layers, mappings, serial_state,
-parallelize), networks/vit.py (_distribute, the cp scatter/gather) or train_mp.py.
+On CPU with gloo: tp=2, cp=2, tp=2 x cp=2, tp=2 x dp=2, tp=2 with activation checkpointing, tp=2 with sequence
+parallelism and tp=2 x cp=2 with both reproduce the serial run's TensorBoard points and weights after 20 iterations;
+tp = cp = 1 is train.py; checkpoints (serial layout) load at any layout and give the same loss on the same batch;
+every copy of a shared weight stays bitwise equal across ranks while training. A failure points to distributed/
+(layers, mappings, serial_state, parallelize), networks/vit.py (_distribute, the cp scatter/gather) or train_mp.py.
 """
 import os
 
@@ -70,8 +70,11 @@ def assert_same_run(got, expected, after_step=-1):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("nproc, tp, cp, flags", [(2, 2, 1, ()), (2, 1, 2, ()), (4, 2, 1, ()),
-                                                  (2, 2, 1, ("--activation_checkpointing",))],
-                         ids=["tp2", "cp2", "tp2xdp2", "tp2-activation-checkpointing"])
+                                                  (2, 2, 1, ("--activation_checkpointing",)),
+                                                  (2, 2, 1, ("--sequence_parallel",)),
+                                                  (4, 2, 2, ("--sequence_parallel", "--activation_checkpointing"))],
+                         ids=["tp2", "cp2", "tp2xdp2", "tp2-activation-checkpointing", "tp2-sequence-parallel",
+                              "tp2xcp2-sequence-parallel-checkpointing"])
 @pytest.mark.multiprocess
 def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp, flags):
     (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp, *flags)
@@ -213,3 +216,21 @@ def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, 
         for label, loss in serial_losses.items():
             assert out[label] == pytest.approx(loss, rel=1e-5), (rank, label)
         assert out["unequal"] == [], (rank, out["unequal"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("flags, drifts", [((), False), (("--sequence_parallel",), True)],
+                         ids=["tp2", "twin-tp2-sequence-parallel"])
+def test_sequence_parallel_needs_the_tp_sum_of_the_norms_gradients(era5_dir, tmp_path, serial, flags, drifts):
+    """Without DDP's hook (--noddp) no gradient is summed over tp. At tp=2 that changes nothing: every rank sees all
+    tokens, so the norms' and the row-parallel biases' gradients are whole. With --sequence_parallel each covers
+    half the tokens, and the run leaves the serial one: the tp sum those weights are marked for is what keeps it."""
+    result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                          "--num_iters", ITERS, "--tensor_parallel", "2", "--noddp", *flags], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = results(os.path.join(str(tmp_path), "tiny", "2MP", "00"))
+    if drifts:
+        with pytest.raises(AssertionError):
+            assert_same_run(got, serial)
+    else:
+        assert_same_run(got, serial)

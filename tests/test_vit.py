@@ -49,6 +49,9 @@ def test_samples_are_independent():
 @pytest.mark.parametrize("changes, message", [
     ({"img_size": [18, 32]}, r"img_size \[18, 32\] is not divisible by patch_size 4"),
     ({"embed_dim": 33}, "embed_dim 33 is not divisible by num_heads 2"),
+    ({"sequence_parallel": True, "tp": 1}, "--sequence_parallel splits the tokens over the tensor-parallel group; "
+                                           "it needs --tensor_parallel 2 or more"),
+    ({"sequence_parallel": True, "tp": 2, "dropout": 0.1}, "dropout 0.1 with --sequence_parallel would draw"),
 ])
 def test_shapes_that_do_not_divide_are_refused(changes, message):
     params = YParams("config/ViT.yaml", "tiny")
