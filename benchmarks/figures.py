@@ -324,8 +324,17 @@ def mp_layouts(doc, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 2.2))
     _barh(axes[0], labels, [row["samples_per_sec"] for row in rows], "tab:blue")
     axes[0].set_xlabel("samples/s, whole job")
-    _barh(axes[1], labels, [row["params_and_adam_mb"] for row in rows], "tab:gray", fmt="{:.1f} MB")
-    axes[1].set_xlabel("parameters + Adam moments per rank (MB)")
+    if all("saved_activations_mb" in row for row in rows):  # measured memory per rank: stacked
+        states = [row["parameters_mb"] + row["gradients_mb"] + row["adam_state_mb"] for row in rows]
+        saved = [row["saved_activations_mb"] for row in rows]
+        _barh(axes[1], labels, [a + b for a, b in zip(states, saved)], "tab:orange", fmt="{:.1f} MB")
+        axes[1].barh(np.arange(len(rows))[::-1], states, color="tab:gray")
+        axes[1].legend(["saved activations (one forward)", "parameters + gradients + Adam"], fontsize=7,
+                       loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=1)
+        axes[1].set_xlabel("memory per rank, rank 0 (MB)")
+    else:  # a JSON from before the measured columns
+        _barh(axes[1], labels, [row["params_and_adam_mb"] for row in rows], "tab:gray", fmt="{:.1f} MB")
+        axes[1].set_xlabel("parameters + Adam moments per rank (MB)")
     fig.suptitle(f"ViT {doc.get('config', '?')} config, train_mp.py layouts\n{bench_machine(doc)}", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)

@@ -89,3 +89,21 @@ def test_the_recomputed_forward_replays_the_dropout_masks(era5_dir, tmp_path, mo
         torch.allclose(checkpoint["model"][name], weight, rtol=1e-5, atol=1e-6)
         for name, weight in plain_checkpoint["model"].items())
     assert sorted(points) == sorted(plain_points) and same == keep_random_state
+
+
+def test_the_benchmark_reports_the_bytes_checkpointing_saves(era5_dir, tmp_path, monkeypatch):
+    """`--enable_benchy` records this rank's parameter, gradient and saved-activation bytes (what make bench-mp
+    tabulates): checkpointing leaves the parameters and gradients as they are and saves far less."""
+    import json
+    memory = []
+    for run, flags in enumerate(((), ("--activation_checkpointing",))):
+        monkeypatch.setenv("BENCHY_OUTPUT", str(tmp_path / f"bench{run}"))
+        train_mp.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path / str(run)),
+                       "--enable_benchy", "--benchy_nbatches", "2", "--benchy_ntrials", "1", "--benchy_nwarmup", "1",
+                       *flags])
+        memory.append(json.loads((tmp_path / f"bench{run}.json").read_text())["memory_bytes"])
+    plain, checkpointed = memory
+    model, _ = tiny_vit_and_batch()
+    parameter_bytes = 4 * sum(param.numel() for param in model.parameters())
+    assert plain["parameters"] == checkpointed["parameters"] == plain["gradients"] == parameter_bytes
+    assert 0 < checkpointed["saved_activations"] < plain["saved_activations"] / 2

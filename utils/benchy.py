@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from utils import comm
 from utils.atomic import write_json
-from utils.profiling import peak_memory_gb
+from utils.profiling import SavedActivations, peak_memory_gb
 from utils.training import finish_run, set_train_mode
 
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
@@ -69,6 +69,19 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
     return trial_rate
 
 
+def model_memory(model, inp):
+    """This rank's bytes of parameters and of their gradients (as the last step left them), and the bytes autograd
+    saves for the backward pass in one forward of `inp` (utils.profiling.SavedActivations; outside autocast)."""
+    model = getattr(model, "_orig_mod", model)  # not torch.compile's wrapper (the hooks run eagerly)
+    model = getattr(model, "module", model)  # nor the data-parallel one
+    params = list(model.parameters())
+    with SavedActivations(model) as saved:
+        model(inp)
+    return {"parameters": sum(p.nbytes for p in params),
+            "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
+            "saved_activations": saved.nbytes}
+
+
 def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_device_sample, peak):
     """IO, SYNTHETIC and FULL trials with the model in training mode, summary lines, the JSON written by rank 0
     ($BENCHY_OUTPUT.json, or benchy_output.json in the run directory), then the run's end (finish_run).
@@ -100,7 +113,8 @@ def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_de
         if name != "IO":
             achieved = flops_per_device_sample * results[name]["mean"]
             results[name].update({"tflops_per_device": achieved / 1e12, "mfu": peak.mfu(achieved)})
-    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device)})
+    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device),
+                    "memory_bytes": model_memory(model, fixed_batch[0])})
 
     for name in benchmarks:  # upstream's spelling, space before SYNTHETIC included
         spacer = " " if name == "SYNTHETIC" else ""
