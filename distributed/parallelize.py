@@ -1,6 +1,7 @@
 """What train_mp.py applies to the ViT once it is built, in one place and one fixed order (torchtitan's order):
 
-1. tensor and context parallelism: already in the model (networks/vit.py swaps in the layers of layers.py);
+1. tensor, sequence and context parallelism: already in the model (networks/vit.py swaps in the layers of
+   layers.py);
 2. activation checkpointing (`--activation_checkpointing`): each transformer block keeps only its input for the
    backward pass and recomputes its forward there;
 3. data parallelism over "dp": DDP, whose comm hook also sums the gradients of cp-shared weights over "cp"
