@@ -1,7 +1,7 @@
 """Activation checkpointing of the ViT's blocks (distributed/parallelize.py, `train_mp.py --activation_checkpointing`):
 the blocks keep only their inputs for the backward pass (measured with saved-tensor hooks), gradients are those of
 the plain model, and the recomputation replays the dropout masks (a run equals the run without checkpointing; the
-twin, without the random state kept, does not). tp=2 with checkpointing against serial train.py is in
+twin, without the random state kept, does not). tp=2 x cp=2 with checkpointing against serial train.py is in
 tests/test_train_mp.py. A failure points to distributed/parallelize.py or utils/profiling.py (SavedActivations)."""
 import os
 
