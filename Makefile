@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-loader bench-loader-cosmo bench-graph example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -78,6 +78,11 @@ bench-unet: install $(COSMO_DIR)/downsamp_1024crop_valid.h5
 
 bench-mp: install $(DATA_DIR)/stats/global_stds.npy
 	$(PY) -m benchmarks.bench_mp --data_dir $(DATA_DIR) --out bench_results/mp_demo.json
+
+# the tutorial's mp ViT (158 M parameters, 4,050 tokens) at a local batch of 1 on 360 x 720 sample data (2.9 GB,
+# generated if missing): memory per rank per layout and flag (about 10 minutes on 2 cores)
+bench-mp-shape: install
+	$(PY) -m benchmarks.bench_mp --shape mp --data_dir data/era5_360x720 --out bench_results/mp_shape.json
 
 bench-loader: install
 	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --repeats 5 --out bench_results/loader_era5.json

@@ -127,7 +127,8 @@ def main(argv=None):
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
     if params.enable_benchy:  # time the loader, the step, and both (utils/benchy.py) instead of training
-        return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak)
+        return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak,
+                              optimizer)
 
     milestones = Milestones(params, args, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
     meter = EpochMeter(device, train_loader, params)

@@ -63,6 +63,8 @@ def main(argv=None):
                         help="split the tokens over tp between the blocks (needs --tensor_parallel > 1)")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="recompute each transformer block's forward in the backward pass (less memory)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
     args = parser.parse_args(argv)
     params = load_config(args)
     # the tp x cp x dp grid: groups "tp", "cp", "tp-cp", "dp", "dp-cp"; dp = world / (tp * cp)
@@ -82,7 +84,7 @@ def main(argv=None):
     steps_per_epoch = len(train_loader)
     set_run_length(params, steps_per_epoch)
 
-    # model, optimizer, schedule (same initial weights on every rank), then the checkpoint's state if resuming
+    # model (same initial weights on every rank)
     torch.manual_seed(params.seed)
     model = get_model(params).to(device)
     # channels_last: convolutions run on NHWC (NDHWC) tensor-core kernels without transposes
@@ -94,20 +96,21 @@ def main(argv=None):
         init_params_for_shared_weights(model)  # copies of shared weights equal across the model-parallel group
     logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in model.parameters()):,}")
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
-    optimizer = get_optimizer(params, model)
-    scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = ModelParallelGradScaler(device.type, "tp-cp", enabled=params.amp_mode == "fp16")  # skip steps together
-    start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, load_serial_state_dict,
-                                     lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
 
     stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
     cuda_graphs.enter_stream(stream)  # the wrap is the eager script's; check_support refused --enable_jit (and dp)
     # wrap for data parallelism over "dp"
-    model = parallelize(model, args, device)  # activation checkpointing, then DDP: distributed/parallelize.py
+    model = parallelize(model, args, device, params)  # checkpointing, then DDP or FSDP: distributed/parallelize.py
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
     cuda_graphs.leave_stream(stream)
 
+    # the optimizer on the wrapped parameters (--fsdp shards them), then the checkpoint's state if resuming
+    optimizer = get_optimizer(params, raw_model)
+    scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
+    scaler = ModelParallelGradScaler(device.type, "tp-cp", enabled=params.amp_mode == "fp16")  # skip steps together
+    start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, load_serial_state_dict,
+                                     lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
     loss_fn = get_loss(params)
     metrics_fn = get_valid_metrics(params)
     train_metrics_fn = get_train_metrics(params)
@@ -143,7 +146,8 @@ def main(argv=None):
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
     if params.enable_benchy:  # time the loader, the step, and both (utils/benchy.py) instead of training
-        return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak)
+        return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak,
+                              optimizer)
 
     milestones = Milestones(params, args, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
     meter = EpochMeter(device, train_loader, params)

@@ -142,17 +142,15 @@ def _all_reduce_in_place(grads, name):
         offset += g.numel()
 
 
-def _reduce_marked_gradients(state, bucket):
-    """DDP comm hook: sum the gradients of weights shared over another group (their `mark_for_reduction`, e.g.
-    ["cp"]: each cp rank saw only its part of the sequence) over that group; then average the gradients of every
-    copy of a shared weight over the rest of the groups it is shared over (`is_shared_mp`, e.g. "tp"); then average
-    the bucket over "dp". The copies compute equal gradients in exact arithmetic, so the average changes nothing
-    there, but on a GPU kernels with atomics or cuDNN algorithms that each rank autotunes alone (cudnn.benchmark)
-    round differently, and un-averaged copies would drift apart step by step. All of it is linear, so the order
-    does not matter; the group reductions run here, synchronously, because DDP calls the hook for the buckets in the
-    same order on every rank (a callback on the dp future could run them in another order on each rank with gloo)."""
+def reduce_marked_gradients(params, grads):
+    """Sum the gradients of weights shared over another group (their `mark_for_reduction`, e.g. ["cp"]: each cp rank
+    saw only its part of the sequence) over that group; then average the gradients of every copy of a shared weight
+    over the rest of the groups it is shared over (`is_shared_mp`, e.g. "tp"). The copies compute equal gradients in
+    exact arithmetic, so the average changes nothing there, but on a GPU kernels with atomics or cuDNN algorithms
+    that each rank autotunes alone (cudnn.benchmark) round differently, and un-averaged copies would drift apart step
+    by step. `grads` are set in place (DDP's bucket views, or FSDP's gradient shards: parallelize.py)."""
     names = [n for n in comm.get_names() if n != "dp" and comm.get_size(n) > 1]
-    params = list(zip(bucket.parameters(), bucket.gradients()))
+    params = list(zip(params, grads))
     for name in names:
         summed = [g for p, g in params if name in getattr(p, "mark_for_reduction", [])]
         if summed:
@@ -162,6 +160,14 @@ def _reduce_marked_gradients(state, bucket):
                   if name in getattr(p, "is_shared_mp", []) and name not in getattr(p, "mark_for_reduction", [])]
         if copies:
             _all_reduce_in_place([g.div_(comm.get_size(name)) for g in copies], name)
+
+
+def _reduce_marked_gradients(state, bucket):
+    """DDP comm hook: reduce_marked_gradients on the bucket, then average it over "dp". All of it is linear, so the
+    order does not matter; the group reductions run here, synchronously, because DDP calls the hook for the buckets
+    in the same order on every rank (a callback on the dp future could run them in another order on each rank with
+    gloo)."""
+    reduce_marked_gradients(bucket.parameters(), bucket.gradients())
     buffer = bucket.buffer()
     return dist.all_reduce(buffer.div_(comm.get_size("dp")), group=comm.get_group("dp"),
                            async_op=True).get_future().then(lambda fut: fut.value()[0])

@@ -4,9 +4,12 @@ A model-parallel rank holds shards. Saving gathers them (over tp; cp shards acti
 state dict the serial model has, under the serial names, and does the same for the optimizer's per-parameter
 state (Adam's moments have the parameters' shapes). Loading takes this rank's shard of each serial tensor. So a
 checkpoint written at tp=2 x cp=2 loads at tp=1, in train.py, or at any other layout, and the reverse.
-Gathering is collective: every rank of the model-parallel group calls these functions in the same order.
+Under FSDP (--fsdp) each tensor is first gathered over dp (a DTensor's full_tensor) and loaded back as this rank's
+dp shard (distribute_tensor like the parameter). Gathering is collective: every rank calls these functions in the
+same order.
 """
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distributed.helpers import gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
@@ -31,6 +34,8 @@ def serial_name(model, name):
 def to_serial(model, name, tensor):
     """The whole (serial-shaped) tensor of which `tensor` is this rank's shard for parameter `name`, on the CPU
     (a checkpoint's full copies must not pile up in GPU memory)."""
+    if isinstance(tensor, DTensor):  # FSDP: this rank's dp shard of its tp shard
+        tensor = tensor.full_tensor()
     module, attr = _owner(model, name)
     if not isinstance(module, DistributedMatmul):
         return tensor.cpu()
@@ -44,12 +49,16 @@ def to_serial(model, name, tensor):
 
 
 def from_serial(model, name, tensor):
-    """This rank's shard, for parameter `name`, of the serial-shaped `tensor`."""
+    """This rank's shard, for parameter `name`, of the serial-shaped `tensor` (a DTensor sharded like the parameter
+    under FSDP)."""
     module, attr = _owner(model, name)
-    if not isinstance(module, DistributedMatmul):
-        return tensor
-    shard = module.shard(tensor, 0, module.comm_out_name)
-    return module.shard(shard, 1, module.comm_inp_name) if attr == "weight" else shard.reshape(1, 1, -1)
+    if isinstance(module, DistributedMatmul):
+        tensor = module.shard(tensor, 0, module.comm_out_name)
+        tensor = module.shard(tensor, 1, module.comm_inp_name) if attr == "weight" else tensor.reshape(1, 1, -1)
+    like = getattr(module, attr)
+    if isinstance(like, DTensor):
+        tensor = distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements)
+    return tensor
 
 
 def serial_state_dict(model):

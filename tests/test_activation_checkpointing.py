@@ -92,7 +92,7 @@ def test_the_recomputed_forward_replays_the_dropout_masks(era5_dir, tmp_path, mo
 
 
 def test_the_benchmark_reports_the_bytes_checkpointing_saves(era5_dir, tmp_path, monkeypatch):
-    """`--enable_benchy` records this rank's parameter, gradient and saved-activation bytes (what make bench-mp
+    """`--enable_benchy` records this rank's parameter, gradient, Adam and saved-activation bytes (what make bench-mp
     tabulates): checkpointing leaves the parameters and gradients as they are and saves far less."""
     import json
     memory = []
@@ -106,4 +106,5 @@ def test_the_benchmark_reports_the_bytes_checkpointing_saves(era5_dir, tmp_path,
     model, _ = tiny_vit_and_batch()
     parameter_bytes = 4 * sum(param.numel() for param in model.parameters())
     assert plain["parameters"] == checkpointed["parameters"] == plain["gradients"] == parameter_bytes
+    assert plain["optimizer_state"] == 2 * parameter_bytes  # Adam's two moments, counted from the optimizer
     assert 0 < checkpointed["saved_activations"] < plain["saved_activations"] / 2

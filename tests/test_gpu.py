@@ -1,5 +1,5 @@
 """CUDA-only paths (single GPU: bf16/fp16 autocast, fused optimizers, NVTX ranges, the profiler window, the
-benchmark mode, DataParallel with channels_last).
+benchmark mode, DataParallel with channels_last; on 2 GPUs: tensor parallelism and FSDP over NCCL).
 
 Skipped without a GPU. A failure points to device handling in train.py, utils/comm.py or utils/profiling.py.
 """
@@ -70,6 +70,25 @@ def test_train_mp_tensor_parallel_over_nccl(era5_dir, tmp_path):
     assert "Setting DP = 1, TP = 2, CP = 1" in result.stderr
     log = open(os.path.join(str(tmp_path), "tiny", "2MP", "00", "out.log")).read()
     assert "on cuda" in log or "datasheet" in log  # NCCL ranks on GPUs, not gloo on the CPU
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP over NCCL needs 2 GPUs")
+def test_train_mp_fsdp_over_nccl_matches_one_gpu(era5_dir, tmp_path):
+    """--fsdp at dp=2 on 2 GPUs (the container's torch 2.5 runs FSDP2 on CUDA only) ends where train.py on one GPU
+    does (fp32; 1e-3 for the GPU kernels' rounding and the dp sum's order)."""
+    from tests.conftest import run_command
+    from tests.test_train_mp import results
+    common = ["--config", "tiny", "--data_dir", era5_dir, "--num_iters", "10"]
+    one = run_command(["train.py", *common, "--expdir", str(tmp_path / "one")], gpu=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_command(["train_mp.py", *common, "--expdir", str(tmp_path / "fsdp"), "--fsdp"], nproc=2, gpu=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "FSDP over dp=2" in two.stderr
+    (points, checkpoint) = results(os.path.join(str(tmp_path / "fsdp"), "tiny", "1MP", "00"))
+    (ref_points, ref_checkpoint) = results(os.path.join(str(tmp_path / "one"), "tiny", "1GPU", "00"))
+    assert points == pytest.approx(ref_points, rel=1e-3)
+    for name, weight in ref_checkpoint["model"].items():
+        torch.testing.assert_close(checkpoint["model"][name], weight, atol=1e-3, rtol=1e-3, msg=name)
 
 
 def test_two_ranks_on_one_gpu_are_refused_in_one_line(era5_dir, tmp_path):

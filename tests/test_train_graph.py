@@ -152,10 +152,11 @@ def test_what_cannot_be_captured_is_one_line(flags, expected, emulated_graphs, e
     assert line.startswith(expected)
 
 
-def test_activation_checkpointing_is_refused_in_the_captured_step(emulated_graphs, era5_dir, tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--activation_checkpointing", "--fsdp"])
+def test_the_memory_flags_not_tried_under_capture_are_refused(emulated_graphs, era5_dir, tmp_path, capsys, flag):
     line = error_line(train_mp_graphs.main, ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
-                                             "--activation_checkpointing"], capsys)
-    assert line.startswith("error: --activation_checkpointing is not supported in the captured step")
+                                             flag], capsys)
+    assert line.startswith(f"error: {flag} is not supported in the captured step")
     assert line.endswith("use train_mp.py")
 
 

@@ -1,8 +1,10 @@
 """train_mp.py (tensor and context parallel ViT, composed with data parallelism) against the serial train.py.
 
-On CPU with gloo: tp=2, cp=2, tp=2 x dp=2, tp=2 with sequence parallelism, and tp=2 x cp=2 with sequence parallelism
-and activation checkpointing across a restart reproduce the serial run's TensorBoard points and weights after 20
-iterations (twins: cp and sequence parallelism without their gradient sums drift); tp = cp = 1 is train.py;
+On CPU with gloo: tp=2, cp=2, tp=2 x dp=2, tp=2 x cp=2 with sequence parallelism and activation checkpointing
+across a restart, and FSDP (--fsdp) at tp=2 x dp=2 with sequence parallelism and at cp=2 x dp=2 with checkpointing
+(resuming the tp=2 x cp=2 checkpoint) reproduce the serial run's TensorBoard points
+and weights after 20 iterations, and FSDP's checkpoint holds the serial run's Adam moments (twins: cp, sequence
+parallelism and FSDP without their gradient sums drift); tp = cp = 1 is train.py;
 checkpoints (serial layout) load at any layout and give the same loss on the same batch; every copy of a shared
 weight stays bitwise equal across ranks while training. A failure points to distributed/ (layers, mappings,
 serial_state, parallelize), networks/vit.py (_distribute, the cp scatter/gather) or train_mp.py.
@@ -15,9 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import distributed.parallelize
 import train
 import train_mp
 from tests.conftest import as_spawned_rank, free_port, run_command
+from tests.test_fsdp import FSDP_ON_CPU
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 ITERS = "20"
@@ -75,9 +79,10 @@ def assert_same_run(got, expected, after_step=-1):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("nproc, tp, cp, flags", [(2, 2, 1, ()), (2, 1, 2, ()), (4, 2, 1, ()),
-                                                  (2, 2, 1, ("--sequence_parallel",))],
-                         ids=["tp2", "cp2", "tp2xdp2", "tp2-sequence-parallel"])
+@pytest.mark.parametrize("nproc, tp, cp, flags", [  # sequence parallelism alone: in tp2xdp2-fsdp and tp2_cp2
+    (2, 2, 1, ()), (2, 1, 2, ()), (4, 2, 1, ()),
+    pytest.param(4, 2, 1, ("--fsdp", "--sequence_parallel"), marks=FSDP_ON_CPU)],
+    ids=["tp2", "cp2", "tp2xdp2", "tp2xdp2-fsdp-sequence-parallel"])
 @pytest.mark.multiprocess
 def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp, flags):
     (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp, *flags)
@@ -229,5 +234,43 @@ def test_without_the_tp_gradient_sum_the_sequence_parallel_run_drifts(era5_dir, 
     result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
                           "--num_iters", ITERS, "--tensor_parallel", "2", "--noddp", "--sequence_parallel"], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    with pytest.raises(AssertionError):
+        assert_same_run(results(os.path.join(str(tmp_path), "tiny", "2MP", "00")), serial)
+
+
+@pytest.mark.compat
+@pytest.mark.multiprocess
+@FSDP_ON_CPU
+def test_fsdp_at_cp2_x_dp2_resumes_a_tp2_x_cp2_checkpoint_and_saves_the_serial_state(era5_dir, tmp_path, serial,
+                                                                                     tp2_cp2):
+    """--fsdp with checkpointing at cp=2 x dp=2 takes over the DDP run's checkpoint of iteration 10 (each rank loads
+    its dp shard) and ends where the serial run ends; its own checkpoint, gathered over dp, holds the serial run's
+    weights and Adam moments."""
+    got, log = run_mp(era5_dir, tmp_path, 4, 1, 2, "--fsdp", "--activation_checkpointing", "--resume", tp2_cp2[2])
+    assert "Resumed from" in log
+    assert_same_run(got, serial, after_step=10)
+    state, ref_state = got[1]["optimizer"]["state"], serial[1]["optimizer"]["state"]
+    assert sorted(state) == sorted(ref_state)
+    for index, moments in ref_state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[index][key], moments[key], atol=1e-7, rtol=1e-3, msg=f"{index} {key}")
+
+
+def _train_without_the_shard_sums(rank, world, port, argv):
+    as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    distributed.parallelize.SUM_GRADIENT_SHARDS = False
+    train_mp.main(argv)
+
+
+@pytest.mark.multiprocess
+@FSDP_ON_CPU
+def test_without_the_sums_on_the_gradient_shards_the_fsdp_run_drifts(era5_dir, tmp_path, serial):
+    """FSDP averages the gradients over dp only: at cp=2 without the sums of the cp-shared gradients on the shards
+    (parallelize.sum_marked_gradient_shards switched off) each covers half the tokens, and the run leaves the serial
+    one."""
+    argv = ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", ITERS,
+            "--context_parallel", "2", "--fsdp"]
+    mp.spawn(_train_without_the_shard_sums, args=(2, free_port(), argv), nprocs=2)
     with pytest.raises(AssertionError):
         assert_same_run(results(os.path.join(str(tmp_path), "tiny", "2MP", "00")), serial)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from utils import comm
 from utils.atomic import write_json
-from utils.profiling import SavedActivations, peak_memory_gb
+from utils.profiling import SavedActivations, local_tensor, peak_memory_gb
 from utils.training import finish_run, set_train_mode
 
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
@@ -69,20 +69,23 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
     return trial_rate
 
 
-def model_memory(model, inp):
-    """This rank's bytes of parameters and of their gradients (as the last step left them), and the bytes autograd
-    saves for the backward pass in one forward of `inp` (utils.profiling.SavedActivations; outside autocast)."""
+def model_memory(model, inp, optimizer):
+    """This rank's bytes of parameters, of their gradients (as the last step left them) and of the optimizer's state
+    (Adam's moments), counted from the tensors (under FSDP: this rank's shards), and the bytes autograd saves for the
+    backward pass in one forward of `inp` (utils.profiling.SavedActivations; in the caller's autocast)."""
     model = getattr(model, "_orig_mod", model)  # not torch.compile's wrapper (the hooks run eagerly)
     model = getattr(model, "module", model)  # nor the data-parallel one
-    params = list(model.parameters())
-    with SavedActivations(model) as saved:
+    state = [local_tensor(value) for per_param in optimizer.state.values() for value in per_param.values()
+             if torch.is_tensor(value) and value.dim()]  # not Adam's step count
+    memory = {"parameters": sum(local_tensor(p).nbytes for p in model.parameters()),
+              "gradients": sum(local_tensor(p.grad).nbytes for p in model.parameters() if p.grad is not None),
+              "optimizer_state": sum(t.nbytes for t in state)}
+    with SavedActivations(model) as saved:  # (before: FSDP's forward swaps in the gathered root parameters)
         model(inp)
-    return {"parameters": sum(p.nbytes for p in params),
-            "gradients": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "saved_activations": saved.nbytes}
+    return {**memory, "saved_activations": saved.nbytes}
 
 
-def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_device_sample, peak):
+def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_device_sample, peak, optimizer):
     """IO, SYNTHETIC and FULL trials with the model in training mode, summary lines, the JSON written by rank 0
     ($BENCHY_OUTPUT.json, or benchy_output.json in the run directory), then the run's end (finish_run).
 
@@ -113,8 +116,9 @@ def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_de
         if name != "IO":
             achieved = flops_per_device_sample * results[name]["mean"]
             results[name].update({"tflops_per_device": achieved / 1e12, "mfu": peak.mfu(achieved)})
-    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device),
-                    "memory_bytes": model_memory(model, fixed_batch[0])})
+    with torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled):  # saved as in training
+        memory = model_memory(model, fixed_batch[0], optimizer)
+    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device), "memory_bytes": memory})
 
     for name in benchmarks:  # upstream's spelling, space before SYNTHETIC included
         spacer = " " if name == "SYNTHETIC" else ""

@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from utils.errors import UserError
+
 
 @contextlib.contextmanager
 def lr_tensors_kept(optimizer):
@@ -21,3 +23,16 @@ def lr_tensors_kept(optimizer):
             if torch.is_tensor(lr) and group["lr"] is not lr:
                 lr.fill_(float(group["lr"]))
                 group["lr"] = lr
+
+
+def fsdp_api(device):
+    """(fully_shard, MixedPrecisionPolicy) of FSDP2: public as torch.distributed.fsdp from torch 2.6, at
+    torch.distributed._composable.fsdp in 2.5, which runs it on CUDA only ("FSDP requires CUDA for streams"; CPU
+    support came in 2.6): there a CPU run is refused in one line."""
+    import torch.distributed.fsdp as fsdp
+    if not hasattr(fsdp, "fully_shard"):  # torch < 2.6
+        if device.type != "cuda":
+            raise UserError(f"--fsdp on torch {torch.__version__} needs GPUs (FSDP2 runs on the CPU from torch 2.6); "
+                            "run on GPUs, or drop --fsdp")
+        import torch.distributed._composable.fsdp as fsdp
+    return fsdp.fully_shard, fsdp.MixedPrecisionPolicy

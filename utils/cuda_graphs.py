@@ -73,6 +73,9 @@ def check_support(params, args, device, script):
         raise UserError("--activation_checkpointing is not supported in the captured step (its recomputation saves "
                         "and restores the random state around each block, which has not been tried under capture); "
                         f"use {instead}")
+    if getattr(args, "fsdp", False):
+        raise UserError("--fsdp is not supported in the captured step (FSDP2 allocates and frees the all-gathered "
+                        f"weights on its own streams each step, which has not been tried under capture); use {instead}")
     for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
         if os.environ.get(name, "0") not in ("", "0"):
             raise UserError(f"{name} makes the host wait for each collective, which a CUDA graph cannot capture; "

@@ -51,24 +51,36 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
 
 
+def local_tensor(tensor):
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP's sharded parameters), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class SavedActivations:
     """Bytes that autograd keeps for the backward pass while this context is open (torch.autograd.graph's
     saved-tensor hooks): every saved tensor's storage counted once, the model's parameters left out (they are held
-    anyway). A measurement of the activation memory of a forward pass, on any device."""
+    anyway), each storage's size read when asked, so that what is freed in the meantime counts nothing (FSDP frees a
+    block's all-gathered weights after its forward; the root's stay gathered and are parameters). A measurement of
+    the activation memory of a forward pass, on any device."""
 
     def __init__(self, model):
-        self.parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+        self.model = model
+        self.parameters = self._parameter_storages()
         self.storages = {}
+
+    def _parameter_storages(self):
+        return {local_tensor(param).untyped_storage().data_ptr() for param in self.model.parameters()}
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            self.storages[storage.data_ptr()] = storage
         return tensor
 
     @property
     def nbytes(self):
-        return sum(self.storages.values())
+        parameters = self.parameters | self._parameter_storages()
+        return sum(storage.nbytes() for ptr, storage in self.storages.items() if ptr not in parameters)
 
     def __enter__(self):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
