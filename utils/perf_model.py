@@ -8,6 +8,9 @@ first part of a performance model (issue "A performance model and layout planner
   bias) and proj, fc2 (rows: weight; the bias stays whole); the norms, the patch and position embedding and the
   head stay whole; FSDP (`fsdp=True`) then keeps 1/dp of each (rounded up along the first dimension).
 - `state_bytes_per_rank`: fp32 parameters, gradients and Adam's two moments of those parameters.
+- `saved_activation_bytes`: what autograd keeps for the backward pass after one forward of the serial model (tp =
+  cp = 1; the split layouts are not modelled yet), in fp32 or under 16-bit autocast, with or without activation
+  checkpointing: the tensors each op saves, as utils/profiling.SavedActivations measures them.
 
 Checked against the real model and the flop counter in tests/test_perf_model.py.
 """
@@ -76,3 +79,34 @@ def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False):
     """{"parameters", "gradients", "optimizer_state"}: fp32 bytes on one rank (Adam: two moments)."""
     params = 4 * parameters_per_rank(shape, tp, dp, fsdp)
     return {"parameters": params, "gradients": params, "optimizer_state": 2 * params}
+
+
+def saved_activation_bytes(shape, batch, half=False, checkpointing=False):
+    """Bytes saved for the backward pass by one forward of `batch` samples on one rank at tp = cp = 1.
+
+    Per block and sample, in fp32: the inputs of both LayerNorms (the residual stream) and their outputs, the q, k,
+    v projections, the attention output (also the input of proj: a view), fc1's output and GELU's output: 8 T D + 2
+    T hidden values, plus the norms' means and inverse deviations (4 T) and attention's log-sum-exp (heads x T).
+    Under 16-bit autocast the norms run in fp32 on the fp32 residual stream; each linear layer casts its own input
+    (q, k and v each keep a copy of the norm's output: the cast cache holds weights only) and keeps its 16-bit
+    output, and every linear layer's 16-bit weight copy is saved once per forward. Outside the blocks: the input
+    image (its 16-bit cast), the final norm's input and output, and the 16-bit copies of the patch-embedding and
+    head weights. With checkpointing a block keeps only its input (fp32: the residual stream)."""
+    d, t, hidden, heads = shape.embed_dim, shape.tokens, shape.hidden, shape.num_heads
+    image = shape.in_channels * shape.tokens * shape.patch_size ** 2
+    stats = 4 * (4 * t) + 4 * heads * t  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp (fp32)
+    if checkpointing:
+        block, weights = 4 * t * d, 0
+    elif half:
+        block = 4 * t * d + 3 * 2 * t * d + 3 * 2 * t * d + 2 * t * d + 4 * t * d + 2 * t * d + 2 * 2 * t * hidden
+        block += stats
+        weights = 2 * (4 * d * d + 2 * d * hidden)
+    else:
+        block, weights = 4 * (8 * t * d + 2 * t * hidden) + stats, 0
+    patch_values = shape.patch_size ** 2
+    if half:
+        root = 2 * image + 4 * t * d + 4 * 2 * t + 2 * t * d
+        root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values
+    else:
+        root, root_weights = 4 * image + 4 * t * d + 4 * 2 * t + 4 * t * d, 0
+    return batch * (shape.depth * block + root) + shape.depth * weights + root_weights

@@ -58,29 +58,36 @@ def local_tensor(tensor):
 
 class SavedActivations:
     """Bytes that autograd keeps for the backward pass while this context is open (torch.autograd.graph's
-    saved-tensor hooks): every saved tensor's storage counted once, the model's parameters left out (they are held
-    anyway), each storage's size read when asked, so that what is freed in the meantime counts nothing (FSDP frees a
-    block's all-gathered weights after its forward; the root's stay gathered and are parameters). A measurement of
-    the activation memory of a forward pass, on any device."""
+    saved-tensor hooks): the span of each storage that saved tensors cover, counted once (a batch that is a view of
+    a data loader's larger buffer counts as the batch), the model's parameters left out (they are held anyway),
+    each storage's size read when asked, so that what is freed in the meantime counts nothing (FSDP frees a block's
+    all-gathered weights after its forward; the root's stay gathered and are parameters). A measurement of the
+    activation memory of a forward pass, on any device."""
 
     def __init__(self, model):
         self.model = model
         self.parameters = self._parameter_storages()
-        self.storages = {}
+        self.spans = {}  # storage pointer -> (storage, first byte, end byte) covered by saved tensors
 
     def _parameter_storages(self):
         return {local_tensor(param).untyped_storage().data_ptr() for param in self.model.parameters()}
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage
+        ptr = storage.data_ptr()
+        if ptr not in self.parameters:
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            start = tensor.storage_offset() * tensor.element_size()
+            end = start + (extent if tensor.numel() else 0) * tensor.element_size()
+            _, first, last = self.spans.get(ptr, (storage, start, end))
+            self.spans[ptr] = (storage, min(first, start), max(last, end))
         return tensor
 
     @property
     def nbytes(self):
         parameters = self.parameters | self._parameter_storages()
-        return sum(storage.nbytes() for ptr, storage in self.storages.items() if ptr not in parameters)
+        return sum(min(storage.nbytes(), end - start) for ptr, (storage, start, end) in self.spans.items()
+                   if ptr not in parameters)
 
     def __enter__(self):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
