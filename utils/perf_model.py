@@ -8,9 +8,9 @@ first part of a performance model (issue "A performance model and layout planner
   bias) and proj, fc2 (rows: weight; the bias stays whole); the norms, the patch and position embedding and the
   head stay whole; FSDP (`fsdp=True`) then keeps 1/dp of each (rounded up along the first dimension).
 - `state_bytes_per_rank`: fp32 parameters, gradients and Adam's two moments of those parameters.
-- `saved_activation_bytes`: what autograd keeps for the backward pass after one forward of the serial model (tp =
-  cp = 1; the split layouts are not modelled yet), in fp32 or under 16-bit autocast, with or without activation
-  checkpointing: the tensors each op saves, as utils/profiling.SavedActivations measures them.
+- `saved_activation_bytes`: what autograd keeps for the backward pass after one forward on rank 0 of a tp x cp
+  layout, with or without sequence parallelism and activation checkpointing, in fp32 or under 16-bit autocast: the
+  tensors each op saves, as utils/profiling.SavedActivations measures them.
 
 Checked against the real model and the flop counter in tests/test_perf_model.py.
 """
@@ -81,32 +81,49 @@ def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False):
     return {"parameters": params, "gradients": params, "optimizer_state": 2 * params}
 
 
-def saved_activation_bytes(shape, batch, half=False, checkpointing=False):
-    """Bytes saved for the backward pass by one forward of `batch` samples on one rank at tp = cp = 1.
+def _chunk(size, parts):
+    """Rank 0's part of `size` split over `parts` ranks (distributed.helpers.compute_split_shapes: the largest)."""
+    if parts == 1:
+        return size
+    chunk = (size + parts - 1) // parts
+    return chunk if size - chunk * (parts - 1) > 0 else size // parts
 
-    Per block and sample, in fp32: the inputs of both LayerNorms (the residual stream) and their outputs, the q, k,
-    v projections, the attention output (also the input of proj: a view), fc1's output and GELU's output: 8 T D + 2
-    T hidden values, plus the norms' means and inverse deviations (4 T) and attention's log-sum-exp (heads x T).
-    Under 16-bit autocast the norms run in fp32 on the fp32 residual stream; each linear layer casts its own input
-    (q, k and v each keep a copy of the norm's output: the cast cache holds weights only) and keeps its 16-bit
-    output, and every linear layer's 16-bit weight copy is saved once per forward. Outside the blocks: the input
-    image (its 16-bit cast), the final norm's input and output, and the 16-bit copies of the patch-embedding and
-    head weights. With checkpointing a block keeps only its input (fp32: the residual stream)."""
+
+def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, cp=1, sequence_parallel=False):
+    """Bytes saved for the backward pass by one forward of `batch` samples on rank 0 of a tp x cp layout (DDP, or
+    FSDP in fp32; FSDP's 16-bit policy is not modelled), as utils/profiling.SavedActivations measures them.
+
+    Tokens: t in all, t_c in this rank's cp chunk (the blocks' attention and MLP work on it), t_s between the blocks
+    (t_c, or its part over tp with sequence parallelism); keys and values are all-gathered to t under cp.
+
+    Per block and sample, in fp32: the inputs of both LayerNorms (the residual stream: t_s D) and their outputs
+    (the column-parallel inputs, all-gathered under sequence parallelism: t_c D), q (t_c D / tp), k and v, the
+    attention output (also proj's input: a view), fc1's output and GELU's output (t_c hidden / tp each), the norms'
+    means and inverse deviations and attention's log-sum-exp. Under 16-bit autocast the norms run in fp32 on the
+    fp32 residual stream; each linear layer casts its own input (q, k and v each keep a copy of the norm's output:
+    the cast cache holds weights only) and its 16-bit weight copy is saved once per forward. The serial layers keep
+    their outputs in 16 bits; the distributed layers add their bias in fp32, so fc1's output is fp32 and q, k, v
+    and GELU's output are 16-bit casts. Outside the blocks: the input image (its 16-bit cast), the final norm's input
+    (t_c) and the head's input (t, gathered over cp), and the 16-bit copies of the patch-embedding and head weights.
+    With checkpointing a block keeps only its input (fp32: the residual stream)."""
     d, t, hidden, heads = shape.embed_dim, shape.tokens, shape.hidden, shape.num_heads
+    t_c = _chunk(t, cp)
+    t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
+    t_kv = t if cp > 1 else t_c
+    distributed = tp * cp > 1
     image = shape.in_channels * shape.tokens * shape.patch_size ** 2
-    stats = 4 * (4 * t) + 4 * heads * t  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp (fp32)
+    stats = 2 * 8 * t_s + 4 * (heads // tp) * t_c  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp
+    qkv = t_c * d // tp + 2 * t_kv * d // tp  # values of q, k and v
+    weights = 0
     if checkpointing:
-        block, weights = 4 * t * d, 0
-    elif half:
-        block = 4 * t * d + 3 * 2 * t * d + 3 * 2 * t * d + 2 * t * d + 4 * t * d + 2 * t * d + 2 * 2 * t * hidden
-        block += stats
-        weights = 2 * (4 * d * d + 2 * d * hidden)
+        block = 4 * t_s * d
+    elif not half:
+        block = 4 * (2 * t_s * d + 2 * t_c * d + qkv + t_c * d // tp + 2 * t_c * hidden // tp) + stats
     else:
-        block, weights = 4 * (8 * t * d + 2 * t * hidden) + stats, 0
+        block = 2 * 4 * t_s * d + 4 * 2 * t_c * d + 2 * qkv + 2 * t_c * d // tp + stats  # norms, casts, attention
+        block += (4 + 2) * t_c * hidden // tp if distributed else 2 * 2 * t_c * hidden  # fc1 out, GELU out
+        weights = 2 * (4 * d * d + 2 * d * hidden) // tp
     patch_values = shape.patch_size ** 2
-    if half:
-        root = 2 * image + 4 * t * d + 4 * 2 * t + 2 * t * d
-        root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values
-    else:
-        root, root_weights = 4 * image + 4 * t * d + 4 * 2 * t + 4 * t * d, 0
+    root = (2 if half else 4) * image + 4 * t_c * d + 8 * t_c + (2 if half else 4) * t * d
+    root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values if half else 0
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
