@@ -8,6 +8,7 @@ first part of a performance model (issue "A performance model and layout planner
   bias) and proj, fc2 (rows: weight; the bias stays whole); the norms, the patch and position embedding and the
   head stay whole; FSDP (`fsdp=True`) then keeps 1/dp of each (rounded up along the first dimension).
 - `state_bytes_per_rank`: fp32 parameters, gradients and Adam's two moments of those parameters.
+- `comm_bytes_per_step`: the bytes the collectives of one training step hand to the network, by process group.
 - `saved_activation_bytes`: what autograd keeps for the backward pass after one forward on rank 0 of a tp x cp
   layout, with or without sequence parallelism and activation checkpointing, in fp32 or under 16-bit autocast: the
   tensors each op saves, as utils/profiling.SavedActivations measures them.
@@ -52,13 +53,19 @@ def flops_per_sample(shape):
     return blocks + embed + head
 
 
-def _tensor_shapes(shape, tp):
-    """[(first dimension, elements)] of every parameter a rank holds at tensor parallelism `tp` (before FSDP)."""
+def _tensor_shapes(shape, tp, distributed=None):
+    """[(first dimension, elements)] of every parameter a rank holds at tensor parallelism `tp` (before FSDP); the
+    distributed layers (tp x cp > 1) store each linear bias as (1, 1, n)."""
     d, hidden = shape.embed_dim, shape.hidden
-    block = ([(d // tp, d * d // tp), (d // tp, d // tp)] * 3  # q, k, v: column-parallel weight and bias
-             + [(d, d * d // tp), (d, d)]  # proj: row-parallel weight (stored out x in/tp), whole bias
-             + [(hidden // tp, d * hidden // tp), (hidden // tp, hidden // tp)]  # fc1
-             + [(d, hidden * d // tp), (d, d)]  # fc2
+    distributed = tp > 1 if distributed is None else distributed
+
+    def bias(n):
+        return (1 if distributed else n, n)
+
+    block = ([(d // tp, d * d // tp), bias(d // tp)] * 3  # q, k, v: column-parallel weight and bias
+             + [(d, d * d // tp), bias(d)]  # proj: row-parallel weight (stored out x in/tp), whole bias
+             + [(hidden // tp, d * hidden // tp), bias(hidden // tp)]  # fc1
+             + [(d, hidden * d // tp), bias(d)]  # fc2
              + [(d, d)] * 4)  # norm1, norm2: weight and bias
     patch_values = shape.patch_size ** 2
     root = [(d, d * shape.in_channels * patch_values), (d, d),  # patch embedding (convolution) and its bias
@@ -67,17 +74,23 @@ def _tensor_shapes(shape, tp):
     return block * shape.depth + root
 
 
-def parameters_per_rank(shape, tp=1, dp=1, fsdp=False):
+def _shard(rows, numel, dp):
+    """FSDP's rank 0 share of a tensor: ceil(rows / dp) of its first dimension."""
+    return math.ceil(rows / dp) * (numel // rows)
+
+
+def parameters_per_rank(shape, tp=1, dp=1, fsdp=False, cp=1):
     """Parameters held by one rank; with FSDP its share of each tensor over dp: the first dimension split in
     ceil-sized chunks, so rank 0 holds the most, and that is the count given."""
+    tensors = _tensor_shapes(shape, tp, tp * cp > 1)
     if not fsdp or dp == 1:
-        return sum(numel for _, numel in _tensor_shapes(shape, tp))
-    return sum(math.ceil(rows / dp) * (numel // rows) for rows, numel in _tensor_shapes(shape, tp))
+        return sum(numel for _, numel in tensors)
+    return sum(_shard(rows, numel, dp) for rows, numel in tensors)
 
 
-def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False):
+def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False, cp=1):
     """{"parameters", "gradients", "optimizer_state"}: fp32 bytes on one rank (Adam: two moments)."""
-    params = 4 * parameters_per_rank(shape, tp, dp, fsdp)
+    params = 4 * parameters_per_rank(shape, tp, dp, fsdp, cp)
     return {"parameters": params, "gradients": params, "optimizer_state": 2 * params}
 
 
@@ -127,3 +140,61 @@ def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, 
     root = (2 if half else 4) * image + 4 * t_c * d + 8 * t_c + (2 if half else 4) * t * d
     root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values if half else 0
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
+
+
+def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
+                        activation_bytes=4):
+    """Bytes each collective of one training step hands to the network on rank 0, summed by process group ("tp",
+    "cp", "tp-cp", "dp"): the whole tensor of an all-reduce, the gathered output of an all-gather, the input of a
+    reduce-scatter (what a ring then moves per rank is (n-1)/n of it, twice for an all-reduce). Padded chunks count
+    padded, as the collectives pad them. `activation_bytes` is the size of one activation or activation-gradient
+    value (fp32 here; what 16-bit autocast sends is not modelled); gradients and weights are fp32.
+
+    Blocks (checkpointing repeats the forward's collectives up to fc1 in the backward pass): tp without sp
+    all-reduces the row-parallel outputs forward and the column-parallel inputs' gradients backward; with sp these
+    become all-gathers and reduce-scatters of the same tensors. cp all-gathers keys and values forward and
+    reduce-scatters their gradients backward. Outside the blocks the token splits of cp and sp are all-gathered.
+    Gradients, in DDP's hook or before FSDP's step: the cp sums of every block weight and the final norm, the tp sums
+    (or averages) of the norms and row-parallel biases, the tp-cp averages of the embeddings, final norm and head;
+    then DDP all-reduces everything over dp, or FSDP all-gathers each block twice (forward, backward) and the root
+    once, and reduce-scatters the gradients.
+    """
+    d, t, depth = shape.embed_dim, shape.tokens, shape.depth
+    t_c = _chunk(t, cp)
+    t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
+    act = activation_bytes * batch
+    out = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
+    # checkpointing's recomputation stops at the block's last saved tensor (GELU's output): it repeats the
+    # collectives up to fc1, not fc2's exit
+    again = 1 if checkpointing else 0
+    if tp > 1:
+        if sequence_parallel:
+            gathered, scattered = tp * t_s * d, t_c * d
+            forward = 2 * gathered + 2 * scattered + again * (2 * gathered + scattered)
+            out["tp"] += depth * act * (forward + 2 * scattered + 2 * gathered)  # backward: the adjoints
+            out["tp"] += 2 * act * tp * t_s * d  # the token split before the blocks (backward), joined after (forward)
+        else:
+            out["tp"] += depth * act * (2 + again + 2) * t_c * d
+    if cp > 1:
+        out["cp"] += depth * act * 2 * ((1 + again) * cp * t_c * d // tp + t * d // tp)  # keys and values
+        out["cp"] += 2 * act * cp * t_c * d  # the token split after the embedding (backward), joined before the head
+    tensors = _tensor_shapes(shape, tp, tp * cp > 1)
+    per_block = len(tensors[:-6]) // depth
+    block, root = tensors[:per_block], tensors[-6:]
+
+    def held(group):
+        return sum(_shard(rows, numel, dp) if fsdp else numel for rows, numel in group)
+
+    if tp * cp > 1 and (dp > 1 or not fsdp):  # DDP's hook, or the sums on FSDP's shards
+        if tp > 1:
+            out["tp"] += 4 * depth * held([block[7], block[11]] + block[12:])  # row-parallel biases, norms
+        if cp > 1:
+            out["cp"] += 4 * (depth * held(block) + held(root[3:5]))  # every block weight, the final norm
+        out["tp-cp"] += 4 * held(root)
+    if dp > 1 and fsdp:
+        padded_block = dp * held(block)
+        out["dp"] += 4 * (2 * depth * padded_block + dp * held(root))  # all-gathers
+        out["dp"] += 4 * (depth * padded_block + dp * held(root))  # reduce-scatters (fp32 gradients)
+    elif dp > 1:
+        out["dp"] += 4 * parameters_per_rank(shape, tp, cp=cp)
+    return out
