@@ -4,13 +4,12 @@ GradScaler skips an optimizer step whose gradients hold an inf or a nan, and hal
 parallelism every rank sees the same all-reduced gradients and so decides alike; under tensor parallelism each rank
 checks only its own shard, so one rank could skip a step its peers take, and the copies of the shared weights (norms,
 embeddings, biases) part for good, with different loss scales on each rank. Here the found-inf flags are
-combined (max) over a named group before anyone decides, as Megatron's scaler does over its model-parallel group;
-under FSDP (--fsdp: the parameters are DTensors) each dp rank holds another shard too, and the flags are combined
-over "dp" as well.
+combined (max) over a named group before anyone decides, as Megatron's scaler does over its model-parallel group.
+Under FSDP (--fsdp) each dp rank also holds another shard; there the gradients are DTensors, whose unscale op itself
+combines the flag (max) over their dp mesh (torch.distributed.tensor's found_inf_reduce_handler).
 """
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from utils import comm
 
@@ -26,11 +25,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         found_inf_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        groups = [self.group]
-        if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
-            groups.append("dp")  # FSDP: gradient shards differ over dp as well
-        for name in groups:
-            if comm.get_size(name) > 1:
-                for device in sorted(found_inf_per_device, key=str):  # the same order on every rank
-                    dist.all_reduce(found_inf_per_device[device], op=dist.ReduceOp.MAX, group=comm.get_group(name))
+        if comm.get_size(self.group) > 1:
+            for device in sorted(found_inf_per_device, key=str):  # the same order on every rank
+                dist.all_reduce(found_inf_per_device[device], op=dist.ReduceOp.MAX, group=comm.get_group(self.group))
         return found_inf_per_device

@@ -80,7 +80,8 @@ def sum_marked_gradient_shards(optimizer, args, kwargs):
     sums over "cp" and "tp" of the marked gradients, and the averages of the copies of shared weights, that DDP's
     comm hook does (mappings.reduce_marked_gradients), here on each rank's gradient shard. The copies of a shared
     weight are sharded alike over dp on every rank of the group they are shared over (same shapes, same dp size),
-    so summing the shards sums the whole gradients. GradScaler calls step() after unscaling: the sums are linear."""
+    so summing the shards sums the whole gradients. The sums are linear, so they commute with loss scaling
+    (GradScaler unscales before step(), the fused Adam inside it)."""
     if not SUM_GRADIENT_SHARDS:
         return
     sharded = [(p, p.grad.to_local()) for group in optimizer.param_groups for p in group["params"]
@@ -95,6 +96,9 @@ def parallelize(model, args, device, params):
     hold; build the optimizer on it after this call."""
     if args.fsdp and args.noddp:
         raise UserError("--fsdp replaces DDP: drop --noddp (or --fsdp)")
+    if args.fsdp and params.get("enable_nhwc"):
+        raise UserError("--fsdp shards contiguous parameters, and enable_nhwc makes the patch embedding's weight "
+                        "channels_last; add --no-enable_nhwc (or drop --fsdp)")
     if args.activation_checkpointing:
         checkpoint_blocks(model.blocks)
     if args.fsdp and comm.get_world_size() == 1:

@@ -5,7 +5,7 @@ Here, with 2 ranks on gloo: each rank holds half of every block's parameters, gr
 the blocks compute with bf16 weights gathered from the fp32 shards (MixedPrecisionPolicy), in fp32 without it; the
 saved activations measured under FSDP are those of the unsharded model (the gathered weights, freed after each
 block, are not counted); the torch-version shim (utils/compat.fsdp_api) refuses a CPU run on torch 2.5 in one line;
---fsdp with --noddp is one line. A failure points to distributed/parallelize.py, utils/compat.py or
+--fsdp with --noddp or channels_last is one line. A failure points to distributed/parallelize.py, utils/compat.py or
 utils/profiling.py (SavedActivations).
 """
 import pytest
@@ -39,13 +39,19 @@ def test_the_shim_gives_the_public_fsdp_where_it_runs_on_the_cpu():
     assert fully_shard is torch.distributed.fsdp.fully_shard and policy is torch.distributed.fsdp.MixedPrecisionPolicy
 
 
-def test_fsdp_with_noddp_is_one_line():
+@pytest.mark.parametrize("noddp, nhwc, message", [(True, False, "--fsdp replaces DDP: drop --noddp"),
+                                                   (False, True, "add --no-enable_nhwc")])
+def test_what_fsdp_does_not_combine_with_is_one_line(noddp, nhwc, message):
+    """--noddp, and channels_last (FSDP2 refuses non-contiguous parameters with a traceback)."""
     from types import SimpleNamespace
 
     from distributed.parallelize import parallelize
-    args = SimpleNamespace(fsdp=True, noddp=True, activation_checkpointing=False)
-    with pytest.raises(UserError, match="--fsdp replaces DDP: drop --noddp"):
-        parallelize(torch.nn.Linear(2, 2), args, torch.device("cpu"), None)
+    from utils.YParams import YParams
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update({"enable_nhwc": nhwc})
+    args = SimpleNamespace(fsdp=True, noddp=noddp, activation_checkpointing=False)
+    with pytest.raises(UserError, match=message):
+        parallelize(torch.nn.Linear(2, 2), args, torch.device("cpu"), params)
 
 
 def _sharded_rank(rank, world, port, found):

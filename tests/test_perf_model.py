@@ -133,9 +133,9 @@ def test_saved_activations_of_every_measured_layout(bench, config, half):
     assert checked >= 6
 
 
-def _count_collectives(rank, world, port, grid, runs, found):
-    """On a tp x cp x dp grid of `world` ranks: for each run (label, sequence parallel, checkpointing, fsdp), one
-    warm-up step, then the bytes rank 0 hands to each collective in one step, by group name."""
+def _count_collectives(rank, world, ports, layouts, found):
+    """For each layout (grid, runs) in turn, on `world` ranks: each run (label, sequence parallel, checkpointing,
+    fsdp) takes a warm-up step, then the bytes rank 0 hands to each collective in one step are kept by group name."""
     import collections
     from types import SimpleNamespace
 
@@ -143,14 +143,8 @@ def _count_collectives(rank, world, port, grid, runs, found):
 
     from distributed.helpers import init_params_for_shared_weights
     from distributed.parallelize import parallelize
-    as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    comm.init(grid, rendezvous_timeout=60)
-    names = {}
-    for name in ("tp", "cp", "tp-cp", "dp"):
-        if comm.get_size(name) > 1:
-            names.setdefault(comm.get_group(name), name)
-    counts = collections.Counter()
+    counts, names = collections.Counter(), {}
 
     def counted(collective, payload):
         def call(*args, **kwargs):
@@ -165,58 +159,66 @@ def _count_collectives(rank, world, port, grid, runs, found):
 
     dist.all_reduce = counted(dist.all_reduce, lambda tensor, *a, **k: nbytes(tensor))
     dist.all_gather = counted(dist.all_gather, lambda outputs, *a, **k: sum(nbytes(t) for t in outputs))
-    dist.all_gather_single = counted(dist.all_gather_single, lambda output, *a, **k: nbytes(output))
-    dist.reduce_scatter_single = counted(dist.reduce_scatter_single, lambda *a, **k: nbytes(k["input"]))
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single = counted(dist.all_gather_single, lambda output, *a, **k: nbytes(output))
+        dist.reduce_scatter_single = counted(dist.reduce_scatter_single, lambda *a, **k: nbytes(k["input"]))
     inp = torch.randn(2, 20, 16, 32)
-    for label, sequence_parallel, checkpointing, fsdp in runs:
-        params = vit_params("tiny")
-        params.update({"sequence_parallel": sequence_parallel, "tp": grid["tp"], "amp_enabled": False,
-                       "amp_dtype": torch.float32})
-        torch.manual_seed(0)
-        model = get_model(params)
-        init_params_for_shared_weights(model)
-        args = SimpleNamespace(fsdp=fsdp, noddp=False, activation_checkpointing=checkpointing, bucket_cap_mb=25,
-                               disable_broadcast_buffers=False)
-        model = parallelize(model, args, torch.device("cpu"), params)
-        optimizer = torch.optim.Adam(model.parameters())
-        for _ in range(2):  # a warm-up step, then the one counted
-            counts.clear()
-            model(inp).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        if rank == 0:
-            found[label] = dict(counts)
-    comm.destroy()
+    for port, (grid, runs) in zip(ports, layouts):
+        as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
+        comm.init(grid, rendezvous_timeout=60)
+        names.clear()
+        for name in ("tp", "cp", "tp-cp", "dp"):
+            if comm.get_size(name) > 1:
+                names.setdefault(comm.get_group(name), name)
+        for label, sequence_parallel, checkpointing, fsdp in runs:
+            params = vit_params("tiny")
+            params.update({"sequence_parallel": sequence_parallel, "tp": grid["tp"], "amp_enabled": False,
+                           "amp_dtype": torch.float32})
+            torch.manual_seed(0)
+            model = get_model(params)
+            init_params_for_shared_weights(model)
+            args = SimpleNamespace(fsdp=fsdp, noddp=False, activation_checkpointing=checkpointing, bucket_cap_mb=25,
+                                   disable_broadcast_buffers=False)
+            model = parallelize(model, args, torch.device("cpu"), params)
+            optimizer = torch.optim.Adam(model.parameters())
+            for _ in range(2):  # a warm-up step, then the one counted
+                counts.clear()
+                model(inp).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if rank == 0:
+                found[label] = (grid, sequence_parallel, checkpointing, fsdp, dict(counts))
+        comm.destroy()
 
 
-LAYOUTS = {  # grid, runs: (label, sequence parallel, checkpointing, fsdp)
-    "tp2xdp2": ({"tp": 2, "cp": 1}, [("tp2xdp2 sp checkpointing", True, True, False),
-                                     ("tp2xdp2 fsdp", False, False, True)]),
-    "tp2xcp2": ({"tp": 2, "cp": 2}, [("tp2xcp2", False, False, False),
-                                     ("tp2xcp2 sp checkpointing", True, True, False)]),
-}
+LAYOUTS = [  # grid, runs: (label, sequence parallel, checkpointing, fsdp), on 4 ranks
+    ({"tp": 2, "cp": 1}, [("tp2xdp2 sp checkpointing", True, True, False), ("tp2xdp2 fsdp", False, False, True)]),
+    ({"tp": 2, "cp": 2}, [("tp2xcp2", False, False, False), ("tp2xcp2 sp checkpointing", True, True, False),
+                          ("tp2xcp2 fsdp", False, False, True)]),  # dp = 1: only the sums on the shards
+    ({"tp": 1, "cp": 2}, [("cp2xdp2", False, False, False)]),
+]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_comm_bytes_per_step_are_what_the_collectives_move(layout):
+def test_comm_bytes_per_step_are_what_the_collectives_move():
     """Every collective of a training step on gloo, counted on rank 0 by wrapping torch.distributed's calls (DDP's
-    comm hook makes them for tp/cp layouts): tp2 x dp2 with sequence parallelism and checkpointing, and with FSDP;
-    tp2 x cp2, also with sequence parallelism and checkpointing. Within 1% (exact here). The twin: the model with
-    checkpointing's repeated collectives and FSDP switched the other way misses."""
-    if layout == "tp2xdp2" and not hasattr(torch.distributed, "all_gather_single"):
-        pytest.skip("FSDP's collectives are torch.distributed.all_gather_single / reduce_scatter_single from torch 2.6")
-    grid, runs = LAYOUTS[layout]
+    comm hook makes them for tp/cp layouts; FSDP2 calls all_gather_single / reduce_scatter_single in the pinned
+    torch): tp2 x dp2 with sequence parallelism and checkpointing, and with FSDP; tp2 x cp2, also with sequence
+    parallelism and checkpointing, and with FSDP at dp = 1; cp2 x dp2. Within 1% (exact here). The twin: the model
+    with checkpointing's repeated collectives and FSDP switched the other way misses."""
+    layouts = LAYOUTS if hasattr(torch.distributed, "all_gather_single") else [
+        (grid, [run for run in runs if not run[3]]) for grid, runs in LAYOUTS]
     found = mp.Manager().dict()
-    mp.spawn(_count_collectives, args=(4, free_port(), grid, runs, found), nprocs=4)
+    mp.spawn(_count_collectives, args=(4, [free_port() for _ in layouts], layouts, found), nprocs=4)
     shape = ViTShape.from_params(vit_params("tiny"))
-    dp = 4 // (grid["tp"] * grid["cp"])
-    for label, sequence_parallel, checkpointing, fsdp in runs:
-        kwargs = {"tp": grid["tp"], "cp": grid["cp"], "dp": dp, "sequence_parallel": sequence_parallel}
+    assert len(found) == sum(len(runs) for _, runs in layouts)
+    for label, (grid, sequence_parallel, checkpointing, fsdp, counts) in found.items():
+        kwargs = {"tp": grid["tp"], "cp": grid["cp"], "dp": 4 // (grid["tp"] * grid["cp"]),
+                  "sequence_parallel": sequence_parallel}
         predicted = {name: value for name, value in
                      comm_bytes_per_step(shape, 2, checkpointing=checkpointing, fsdp=fsdp, **kwargs).items() if value}
-        assert sorted(predicted) == sorted(found[label]), label
-        for name, value in found[label].items():
+        assert sorted(predicted) == sorted(counts), label
+        for name, value in counts.items():
             assert predicted[name] == pytest.approx(value, rel=0.01), (label, name)
         twin = comm_bytes_per_step(shape, 2, checkpointing=not checkpointing, fsdp=not fsdp, **kwargs)
-        assert any(twin[name] != pytest.approx(value, rel=0.01) for name, value in found[label].items()), label
+        assert any(twin[name] != pytest.approx(value, rel=0.01) for name, value in counts.items()), label

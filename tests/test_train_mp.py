@@ -1,12 +1,13 @@
 """train_mp.py (tensor and context parallel ViT, composed with data parallelism) against the serial train.py.
 
-On CPU with gloo: tp=2, cp=2, tp=2 x dp=2, tp=2 x cp=2 with sequence parallelism and activation checkpointing
-across a restart, and FSDP (--fsdp) at tp=2 x dp=2 with sequence parallelism and at cp=2 x dp=2 with checkpointing
-(from the tp=2 x cp=2 checkpoint, its own resumed in train.py) reproduce the serial run's TensorBoard points and
-weights after 20 iterations (twins: cp, sequence parallelism and FSDP without their gradient sums drift);
-tp = cp = 1 is train.py; checkpoints (serial layout) load at any layout and give the same loss on the same batch;
-every copy of a shared weight stays bitwise equal across ranks while training. A failure points to distributed/
-(layers, mappings, serial_state, parallelize), networks/vit.py (_distribute, the cp scatter/gather) or train_mp.py.
+On CPU with gloo, each reproduces the serial run's TensorBoard points and weights after 20 iterations: tp=2
+(resuming a train.py checkpoint), cp=2, tp=2 x dp=2, tp=2 x cp=2 with sequence parallelism and activation
+checkpointing across a restart, and FSDP (--fsdp) at tp=2 x dp=2 with sequence parallelism and at cp=2 x dp=2 with
+checkpointing (from the tp=2 x cp=2 checkpoint, its own resumed in train.py). Twins: cp, sequence parallelism and
+FSDP without their gradient sums drift. tp = cp = 1 is train.py; checkpoints (serial layout) load at any layout and
+give the same loss on the same batch; every copy of a shared weight stays bitwise equal across ranks while
+training. A failure points to distributed/ (layers, mappings, serial_state, parallelize), networks/vit.py
+(_distribute, the cp scatter/gather) or train_mp.py.
 """
 import os
 
@@ -78,10 +79,9 @@ def assert_same_run(got, expected, after_step=-1):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("nproc, tp, cp, flags", [  # sequence parallelism alone: in tp2xdp2-fsdp and tp2_cp2
-    (2, 2, 1, ()), (2, 1, 2, ()), (4, 2, 1, ()),
-    pytest.param(4, 2, 1, ("--fsdp", "--sequence_parallel"), marks=FSDP_ON_CPU)],
-    ids=["tp2", "cp2", "tp2xdp2", "tp2xdp2-fsdp-sequence-parallel"])
+@pytest.mark.parametrize("nproc, tp, cp, flags", [  # tp2 alone: resumed from train.py below; sp: also in tp2_cp2
+    (2, 1, 2, ()), (4, 2, 1, ()), pytest.param(4, 2, 1, ("--fsdp", "--sequence_parallel"), marks=FSDP_ON_CPU)],
+    ids=["cp2", "tp2xdp2", "tp2xdp2-fsdp-sequence-parallel"])
 @pytest.mark.multiprocess
 def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp, flags):
     (got, log) = run_mp(era5_dir, tmp_path, nproc, tp, cp, *flags)
@@ -268,9 +268,10 @@ def _train_without_the_shard_sums(rank, world, port, argv):
 @pytest.mark.multiprocess
 @FSDP_ON_CPU
 def test_without_the_sums_on_the_gradient_shards_the_fsdp_run_drifts(era5_dir, tmp_path, serial):
-    """FSDP averages the gradients over dp only: at cp=2 without the sums of the cp-shared gradients on the shards
-    (parallelize.sum_marked_gradient_shards switched off) each covers half the tokens, and the run leaves the serial
-    one."""
+    """FSDP reduces the gradients over dp only: at cp=2 (dp=1, so each shard is the whole tensor) without the sums of
+    the cp-shared gradients before the step (parallelize.sum_marked_gradient_shards switched off) each covers half
+    the tokens, and the run leaves the serial one. That summing dp shards equals summing whole gradients is what the
+    cp2 x dp2 run above shows."""
     argv = ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", ITERS,
             "--context_parallel", "2", "--fsdp"]
     mp.spawn(_train_without_the_shard_sums, args=(2, free_port(), argv), nprocs=2)

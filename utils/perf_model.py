@@ -185,7 +185,7 @@ def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False,
     def held(group):
         return sum(_shard(rows, numel, dp) if fsdp else numel for rows, numel in group)
 
-    if tp * cp > 1 and (dp > 1 or not fsdp):  # DDP's hook, or the sums on FSDP's shards
+    if tp * cp > 1:  # DDP's hook, or the sums on FSDP's shards (also at dp = 1)
         if tp > 1:
             out["tp"] += 4 * depth * held([block[7], block[11]] + block[12:])  # row-parallel biases, norms
         if cp > 1:
