@@ -24,7 +24,7 @@ from distributed.serial_state import (
 from networks import get_model
 from utils import comm, get_data_loader_distributed
 from utils.benchy import run_benchmarks
-from utils.cli import training_parser
+from utils.cli import model_parallel_parser
 from utils.errors import exit_on_user_error
 from utils.flops import Peak, train_flops_per_sample
 from utils.loss import get_loss
@@ -52,16 +52,7 @@ from utils.training import (
 
 @exit_on_user_error
 def main(argv=None):
-    parser = training_parser(__doc__.splitlines()[0], one_process_dp=False)
-    parser.add_argument("--tensor_parallel", type=int, default=1, help="ranks that split each layer's weights (tp)")
-    parser.add_argument("--context_parallel", type=int, default=1, help="ranks that split the sequence (cp)")
-    parser.add_argument("--parallel_order", type=str, default="tp-cp-dp", help="rank order, first name fastest")
-    parser.add_argument("--sequence_parallel", action="store_true",
-                        help="split the tokens over tp between the blocks (needs --tensor_parallel > 1)")
-    parser.add_argument("--activation_checkpointing", action="store_true",
-                        help="recompute each transformer block's forward in the backward pass (less memory)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
+    parser = model_parallel_parser(__doc__.splitlines()[0])  # + layout and memory flags (utils/cli.py)
     args = parser.parse_args(argv)
     params = load_config(args)
     # the tp x cp x dp grid: groups "tp", "cp", "tp-cp", "dp", "dp-cp"; dp = world / (tp * cp)

@@ -28,7 +28,7 @@ import torch
 from loaders import get_data_loader
 from sample_data.cosmo import write_cosmo
 from tests.conftest import REPO_ROOT
-from utils.cli import apply_overrides, training_parser
+from utils.cli import apply_overrides
 from utils.YParams import YParams, read_configs
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -82,9 +82,11 @@ def parse_with_the_scripts_parser(script, argv, monkeypatch):
     """The script's own argparse namespace for argv (its main stops right after parsing)."""
     module = importlib.import_module(script[:-3])
     found = {}
+    factory = "model_parallel_parser" if hasattr(module, "model_parallel_parser") else "training_parser"
+    make_parser = getattr(module, factory)
 
     def capturing_parser(description, **options):
-        parser = training_parser(description, **options)
+        parser = make_parser(description, **options)
         parse = parser.parse_args
 
         def parse_and_stop(args=None, namespace=None):
@@ -94,7 +96,7 @@ def parse_with_the_scripts_parser(script, argv, monkeypatch):
         parser.parse_args = parse_and_stop
         return parser
 
-    monkeypatch.setattr(module, "training_parser", capturing_parser)
+    monkeypatch.setattr(module, factory, capturing_parser)
     with pytest.raises(Parsed):
         module.main(argv)
     return found["args"]

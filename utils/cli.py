@@ -66,6 +66,21 @@ def training_parser(description, one_process_dp=True):
     return parser
 
 
+def model_parallel_parser(description):
+    """training_parser for the model-parallel scripts (no --parallel dp), with the layout and memory flags."""
+    parser = training_parser(description, one_process_dp=False)
+    add = parser.add_argument
+    add("--tensor_parallel", type=int, default=1, help="ranks that split each layer's weights (tp)")
+    add("--context_parallel", type=int, default=1, help="ranks that split the sequence (cp)")
+    add("--parallel_order", type=str, default="tp-cp-dp", help="rank order, first name fastest")
+    add("--sequence_parallel", action="store_true",
+        help="split the tokens over tp between the blocks (needs --tensor_parallel > 1)")
+    add("--activation_checkpointing", action="store_true",
+        help="recompute each transformer block's forward in the backward pass (less memory)")
+    add("--fsdp", action="store_true", help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
+    return parser
+
+
 def reroot(path, data_root, data_dir):
     """`data_root/x` -> `data_dir/x`; paths outside data_root are kept."""
     if data_dir and path and data_root and (path == data_root or path.startswith(data_root.rstrip("/") + "/")):

@@ -18,7 +18,9 @@ Checked against the real model and the flop counter in tests/test_perf_model.py.
 import math
 from dataclasses import dataclass
 
-MLP_RATIO = 4.0  # networks/vit.py's default
+from distributed.helpers import compute_split_shapes
+
+MLP_RATIO = 4.0  # networks/vit.py's default (utils may not import the models: tests/test_layout.py)
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,8 @@ def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False, cp=1):
 
 
 def _chunk(size, parts):
-    """Rank 0's part of `size` split over `parts` ranks (distributed.helpers.compute_split_shapes: the largest)."""
-    if parts == 1:
-        return size
-    chunk = (size + parts - 1) // parts
-    return chunk if size - chunk * (parts - 1) > 0 else size // parts
+    """Rank 0's part of `size` split over `parts` ranks: the largest of compute_split_shapes."""
+    return compute_split_shapes(size, parts)[0]
 
 
 def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, cp=1, sequence_parallel=False):
