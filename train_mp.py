@@ -30,6 +30,7 @@ from utils.flops import Peak, train_flops_per_sample
 from utils.loss import get_loss
 from utils.metrics import get_train_metrics, get_valid_metrics
 from utils.optim import get_lr_scheduler, get_optimizer
+from utils.perf_model import predicted_memory_line
 from utils.profiling import CudaProfilerWindow, nvtx_range, peak_memory_gb
 from utils.training import (
     EpochMeter,
@@ -83,6 +84,7 @@ def main(argv=None):
         init_params_for_shared_weights(model)  # copies of shared weights equal across the model-parallel group
     logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in model.parameters()):,}")
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
+    logging.info(predicted_memory_line(params, args, comm.get_size("dp")))  # to check against the line at i == 1
 
     # wrap for data parallelism over "dp"
     model = parallelize(model, args, device, params)  # checkpointing, then DDP or FSDP: distributed/parallelize.py

@@ -6,11 +6,13 @@
   `make bench-mp-shape` measured (tp, cp, sequence parallelism, checkpointing, FSDP; fp32 and bf16), and saved
   activations against the saved-tensor hooks on the model here (within 5%; exact; the twin, one cast of the norm's
   output shared by q, k and v, misses);
-- bytes per collective group in one training step against the collectives counted on gloo (within 1%; exact).
+- bytes per collective group and op in one training step against the collectives counted on gloo (within 1%;
+  exact).
 
 A failure points to utils/perf_model.py, or to a change of networks/vit.py, distributed/ or the FSDP setup that the
 model has not followed.
 """
+import collections
 import json
 import os
 
@@ -25,6 +27,7 @@ from utils import comm
 from utils.flops import train_flops_per_sample
 from utils.perf_model import (
     ViTShape,
+    collectives_per_step,
     comm_bytes_per_step,
     flops_per_sample,
     parameters_per_rank,
@@ -136,7 +139,6 @@ def test_saved_activations_of_every_measured_layout(bench, config, half):
 def _count_collectives(rank, world, ports, layouts, found):
     """For each layout (grid, runs) in turn, on `world` ranks: each run (label, sequence parallel, checkpointing,
     fsdp) takes a warm-up step, then the bytes rank 0 hands to each collective in one step are kept by group name."""
-    import collections
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -146,22 +148,23 @@ def _count_collectives(rank, world, ports, layouts, found):
     torch.set_num_threads(1)
     counts, names = collections.Counter(), {}
 
-    def counted(collective, payload):
+    def counted(collective, op, payload):
         def call(*args, **kwargs):
             name = names.get(kwargs.get("group"))
             if name is not None:
-                counts[name] += payload(*args, **kwargs)
+                counts[name, op] += payload(*args, **kwargs)
             return collective(*args, **kwargs)
         return call
 
     def nbytes(tensor):
         return tensor.numel() * tensor.element_size()
 
-    dist.all_reduce = counted(dist.all_reduce, lambda tensor, *a, **k: nbytes(tensor))
-    dist.all_gather = counted(dist.all_gather, lambda outputs, *a, **k: sum(nbytes(t) for t in outputs))
+    dist.all_reduce = counted(dist.all_reduce, "all_reduce", lambda tensor, *a, **k: nbytes(tensor))
+    dist.all_gather = counted(dist.all_gather, "all_gather", lambda outputs, *a, **k: sum(nbytes(t) for t in outputs))
     if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single = counted(dist.all_gather_single, lambda output, *a, **k: nbytes(output))
-        dist.reduce_scatter_single = counted(dist.reduce_scatter_single, lambda *a, **k: nbytes(k["input"]))
+        dist.all_gather_single = counted(dist.all_gather_single, "all_gather", lambda output, *a, **k: nbytes(output))
+        dist.reduce_scatter_single = counted(dist.reduce_scatter_single, "reduce_scatter",
+                                             lambda *a, **k: nbytes(k["input"]))
     inp = torch.randn(2, 20, 16, 32)
     for port, (grid, runs) in zip(ports, layouts):
         as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
@@ -204,17 +207,29 @@ def test_comm_bytes_per_step_are_what_the_collectives_move():
     """Every collective of a training step on gloo, counted on rank 0 by wrapping torch.distributed's calls (DDP's
     comm hook makes them for tp/cp layouts; FSDP2 calls all_gather_single / reduce_scatter_single in the pinned
     torch): tp2 x dp2 with sequence parallelism and checkpointing, and with FSDP; tp2 x cp2, also with sequence
-    parallelism and checkpointing, and with FSDP at dp = 1; cp2 x dp2. Within 1% (exact here). The twin: the model
-    with checkpointing's repeated collectives and FSDP switched the other way misses."""
+    parallelism and checkpointing, and with FSDP at dp = 1; cp2 x dp2. Within 1% (exact here), by group and by op
+    (all-reduce, all-gather, reduce-scatter: what the time model's rings cost). The twin: the model with
+    checkpointing's repeated collectives and FSDP switched the other way misses."""
     layouts = LAYOUTS if hasattr(torch.distributed, "all_gather_single") else [
         (grid, [run for run in runs if not run[3]]) for grid, runs in LAYOUTS]
     found = mp.Manager().dict()
     mp.spawn(_count_collectives, args=(4, [free_port() for _ in layouts], layouts, found), nprocs=4)
     shape = ViTShape.from_params(vit_params("tiny"))
     assert len(found) == sum(len(runs) for _, runs in layouts)
-    for label, (grid, sequence_parallel, checkpointing, fsdp, counts) in found.items():
+    for label, (grid, sequence_parallel, checkpointing, fsdp, by_op) in found.items():
         kwargs = {"tp": grid["tp"], "cp": grid["cp"], "dp": 4 // (grid["tp"] * grid["cp"]),
                   "sequence_parallel": sequence_parallel}
+        counts, predicted_by_op = collections.Counter(), collections.Counter()
+        for (name, _), value in by_op.items():
+            counts[name] += value
+        for name, op, value, when in collectives_per_step(shape, 2, checkpointing=checkpointing, fsdp=fsdp,
+                                                          **kwargs):
+            if op == "reduce_scatter" and when == "activations":
+                op = "all_reduce"  # gloo has none: distributed.helpers.reduce_scatter sums and slices on gloo
+            predicted_by_op[name, op] += value
+        assert sorted(predicted_by_op) == sorted(by_op), label
+        for key, value in by_op.items():
+            assert predicted_by_op[key] == pytest.approx(value, rel=0.01), (label, key)
         predicted = {name: value for name, value in
                      comm_bytes_per_step(shape, 2, checkpointing=checkpointing, fsdp=fsdp, **kwargs).items() if value}
         assert sorted(predicted) == sorted(counts), label

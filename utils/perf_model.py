@@ -1,5 +1,5 @@
-"""Counts of the ViT of config/ViT.yaml under a tp x cp x dp layout, from its shape alone (no model is built): the
-first part of a performance model (issue "A performance model and layout planner").
+"""A performance model of the ViT of config/ViT.yaml under a tp x cp x dp layout, from its shape alone (no model is
+built). First the counts:
 
 - `flops_per_sample`: the matmul FLOPs of one sample's forward and backward pass, as torch.utils.flop_counter counts
   them on the model (linear layers and the patch-embedding convolution: 2 m n k forward, twice that backward, the
@@ -8,17 +8,27 @@ first part of a performance model (issue "A performance model and layout planner
   bias) and proj, fc2 (rows: weight; the bias stays whole); the norms, the patch and position embedding and the
   head stay whole; FSDP (`fsdp=True`) then keeps 1/dp of each (rounded up along the first dimension).
 - `state_bytes_per_rank`: fp32 parameters, gradients and Adam's two moments of those parameters.
-- `comm_bytes_per_step`: the bytes the collectives of one training step hand to the network, by process group.
+- `collectives_per_step`, `comm_bytes_per_step`: the bytes each collective of one training step hands to the
+  network, by process group and op.
 - `saved_activation_bytes`: what autograd keeps for the backward pass after one forward on rank 0 of a tp x cp
   layout, with or without sequence parallelism and activation checkpointing, in fp32 or under 16-bit autocast: the
   tensors each op saves, as utils/profiling.SavedActivations measures them.
 
-Checked against the real model and the flop counter in tests/test_perf_model.py.
+Then a roofline of one training step on a GPU (`predict`): the counts above, the work each kind of kernel does
+(GEMMs and FlashAttention on the tensor cores, softmax on the CUDA cores, elementwise kernels on HBM bandwidth),
+ring collectives on NVLink or the NIC as `--parallel_order` places each group, DDP's all-reduce overlapped with the
+backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). benchmarks/plan.py
+(`make plan`) is its command; docs/perf_model.md compares it with the published runs.
+
+Checked against the real model, the flop counter and the collectives on gloo in tests/test_perf_model.py; the
+predictions against the published GPU runs and the planner's obvious truths in tests/test_plan.py.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from distributed.helpers import compute_split_shapes
+from utils.rank_generator import RankGenerator
 
 MLP_RATIO = 4.0  # networks/vit.py's default (utils may not import the models: tests/test_layout.py)
 
@@ -141,13 +151,20 @@ def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, 
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
 
 
-def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
-                        activation_bytes=4):
-    """Bytes each collective of one training step hands to the network on rank 0, summed by process group ("tp",
-    "cp", "tp-cp", "dp"): the whole tensor of an all-reduce, the gathered output of an all-gather, the input of a
-    reduce-scatter (what a ring then moves per rank is (n-1)/n of it, twice for an all-reduce). Padded chunks count
-    padded, as the collectives pad them. `activation_bytes` is the size of one activation or activation-gradient
-    value (fp32 here; what 16-bit autocast sends is not modelled); gradients and weights are fp32.
+def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
+                         activation_bytes=4, half=False):
+    """Every collective of one training step on rank 0, as (group, op, bytes, when): the group ("tp", "cp",
+    "tp-cp", "dp"), the op ("all_reduce", "all_gather", "reduce_scatter"), the bytes handed to the network (the
+    whole tensor of an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter; what a ring
+    then moves per rank is (n-1)/n of it, twice for an all-reduce; padded chunks count padded, as the collectives
+    pad them) and when it runs: "activations" (forward and backward, on the critical path), "gradients" (DDP's
+    comm hook, overlapped with the backward pass), "weights" (FSDP's gathers and scatters, overlapped with the
+    forward and backward), "step" (the sums on FSDP's gradient shards, before the optimizer step).
+
+    `activation_bytes` is the size of one activation or activation-gradient value; with `half` (16-bit autocast)
+    the row-parallel exits' outputs and their gradients are 16-bit (the matmul's output; the bias is added after the
+    sum), everything else stays fp32 (the norms' outputs entering a column-parallel layer, keys and values with their
+    fp32 bias, the residual stream). Gradients and weights are fp32.
 
     Blocks (checkpointing repeats the forward's collectives up to fc1 in the backward pass): tp without sp
     all-reduces the row-parallel outputs forward and the column-parallel inputs' gradients backward; with sp these
@@ -162,21 +179,33 @@ def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False,
     t_c = _chunk(t, cp)
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
     act = activation_bytes * batch
-    out = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
+    out_act = (2 if half else activation_bytes) * batch  # a row-parallel exit's output (and its gradient)
+    found = []
+
+    def add(group, op, nbytes, when="activations"):
+        if nbytes:
+            found.append((group, op, nbytes, when))
+
     # checkpointing's recomputation stops at the block's last saved tensor (GELU's output): it repeats the
     # collectives up to fc1, not fc2's exit
     again = 1 if checkpointing else 0
     if tp > 1:
         if sequence_parallel:
             gathered, scattered = tp * t_s * d, t_c * d
-            forward = 2 * gathered + 2 * scattered + again * (2 * gathered + scattered)
-            out["tp"] += depth * act * (forward + 2 * scattered + 2 * gathered)  # backward: the adjoints
-            out["tp"] += 2 * act * tp * t_s * d  # the token split before the blocks (backward), joined after (forward)
+            add("tp", "all_gather", depth * act * (2 + 2 * again) * gathered)  # the entries (forward, recomputed)
+            add("tp", "reduce_scatter", depth * out_act * (2 + again) * scattered)  # the exits
+            add("tp", "reduce_scatter", depth * act * 2 * scattered)  # backward: the entries' adjoints
+            add("tp", "all_gather", depth * out_act * 2 * gathered)  # the exits' adjoints
+            # the token split before the blocks (its backward) and the join after them (forward)
+            add("tp", "all_gather", 2 * act * tp * t_s * d)
         else:
-            out["tp"] += depth * act * (2 + again + 2) * t_c * d
+            add("tp", "all_reduce", depth * out_act * (2 + again) * t_c * d)  # the exits (forward, recomputed)
+            add("tp", "all_reduce", depth * act * 2 * t_c * d)  # backward: the entries' gradients
     if cp > 1:
-        out["cp"] += depth * act * 2 * ((1 + again) * cp * t_c * d // tp + t * d // tp)  # keys and values
-        out["cp"] += 2 * act * cp * t_c * d  # the token split after the embedding (backward), joined before the head
+        add("cp", "all_gather", depth * act * 2 * (1 + again) * cp * t_c * d // tp)  # keys and values
+        add("cp", "reduce_scatter", depth * act * 2 * t * d // tp)  # their gradients
+        # the token split after the embedding (its backward) and the join before the head (forward)
+        add("cp", "all_gather", 2 * act * cp * t_c * d)
     tensors = _tensor_shapes(shape, tp, tp * cp > 1)
     per_block = len(tensors[:-6]) // depth
     block, root = tensors[:per_block], tensors[-6:]
@@ -185,15 +214,269 @@ def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False,
         return sum(_shard(rows, numel, dp) if fsdp else numel for rows, numel in group)
 
     if tp * cp > 1:  # DDP's hook, or the sums on FSDP's shards (also at dp = 1)
+        when = "step" if fsdp else "gradients"
         if tp > 1:
-            out["tp"] += 4 * depth * held([block[7], block[11]] + block[12:])  # row-parallel biases, norms
+            add("tp", "all_reduce", 4 * depth * held([block[7], block[11]] + block[12:]), when)  # row biases, norms
         if cp > 1:
-            out["cp"] += 4 * (depth * held(block) + held(root[3:5]))  # every block weight, the final norm
-        out["tp-cp"] += 4 * held(root)
+            add("cp", "all_reduce", 4 * (depth * held(block) + held(root[3:5])), when)  # block weights, final norm
+        add("tp-cp", "all_reduce", 4 * held(root), when)
     if dp > 1 and fsdp:
         padded_block = dp * held(block)
-        out["dp"] += 4 * (2 * depth * padded_block + dp * held(root))  # all-gathers
-        out["dp"] += 4 * (depth * padded_block + dp * held(root))  # reduce-scatters (fp32 gradients)
+        add("dp", "all_gather", 4 * (2 * depth * padded_block + dp * held(root)), "weights")
+        add("dp", "reduce_scatter", 4 * (depth * padded_block + dp * held(root)), "weights")  # fp32 gradients
     elif dp > 1:
-        out["dp"] += 4 * parameters_per_rank(shape, tp, cp=cp)
+        add("dp", "all_reduce", 4 * parameters_per_rank(shape, tp, cp=cp), "gradients")
+    return found
+
+
+def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
+                        activation_bytes=4, half=False):
+    """Bytes the collectives of one training step hand to the network on rank 0, summed by process group ("tp",
+    "cp", "tp-cp", "dp"): collectives_per_step, totalled."""
+    out = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
+    for group, _, nbytes, _ in collectives_per_step(shape, batch, tp, cp, dp, sequence_parallel, checkpointing, fsdp,
+                                                    activation_bytes, half):
+        out[group] += nbytes
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time and memory on a GPU: a roofline per kind of work, from the counts above and a table of systems.
+
+@dataclass(frozen=True)
+class System:
+    """One GPU kind in a Perlmutter-style node: 4 GPUs on NVLink, one 25 GB/s Slingshot-11 NIC per GPU. FLOP/s are
+    dense tensor-core peaks by precision; `vector_flops`: fp32 on the CUDA cores (softmax's exponentials);
+    `nvlink_pair`: bytes/s one way between two GPUs of the node (a ring sends to one neighbour); memory in GiB."""
+    name: str
+    tensor_flops: dict
+    vector_flops: float
+    hbm_bytes_per_s: float
+    memory_gib: float
+    nvlink_pair: float
+    nic_bytes_per_s: float = 25e9
+    gpus_per_node: int = 4
+
+
+_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}
+_H100 = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}
+SYSTEMS = {system.name: system for system in (  # vendor datasheets; NVLink: links per GPU pair x 25 GB/s one way
+    System("A100-40GB", _A100, 19.5e12, 1.555e12, 40, 4 * 25e9),  # Perlmutter: 4 NVLink-3 links per pair
+    System("A100-80GB", _A100, 19.5e12, 2.039e12, 80, 4 * 25e9),
+    System("H100-SXM", _H100, 67e12, 3.35e12, 80, 6 * 25e9),  # 4-GPU HGX board: 6 NVLink-4 links per pair
+    System("H200", _H100, 67e12, 4.8e12, 141, 6 * 25e9),
+)}
+
+# The fraction of a peak that each kind of work reaches: one number each, for every layout and system (none is
+# fitted to a configuration; README's table shows how close they land on the published runs).
+EFFICIENCY = {
+    # tensor-core work: FlashAttention-2's paper (Dao, 2023) measures its forward + backward pass at about half of
+    # the A100's 16-bit peak at head dimension 64; the same fraction is taken for the linear layers' GEMMs
+    "matmul": 0.5,
+    # elementwise and normalisation kernels stream at about 80% of HBM bandwidth (a STREAM-like copy's fraction)
+    "memory": 0.8,
+    # NCCL rings reach about 80% of a link's bandwidth on large messages (nccl-tests' bus bandwidth)
+    "network": 0.8,
+}
+# GPU memory outside the model's tensors: the CUDA context, NCCL's buffers, DALI's pools. The tutorial logs it as
+# "Scaffolding memory high watermark" (NVML's used memory once the model is built; FACTS A23: 10.48 GB at tp=1,
+# 10.18 GB at tp=4 on the mp config), less the parameters it then holds (0.59, 0.15 GB): about 10 GB.
+RUNTIME_OVERHEAD_GIB = 10.0
+FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # FlashAttention's kernels; a head dimension runs padded up
+SOFTMAX_OPS = (5, 6)  # fp32 operations per attention score: forward (scale, max, subtract, exp, sum) and backward
+#                       (the recomputed probabilities: scale, subtract, exp; dS = P (dP - D), its scale)
+ADAM_BYTES_PER_PARAMETER = 28  # one fused pass: read weight, gradient and both moments, write weight and moments
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout of train_mp.py: tp x cp x dp ranks in `order` (first name fastest), and its memory flags."""
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    checkpointing: bool = False
+    fsdp: bool = False
+    order: str = "tp-cp-dp"
+
+    @property
+    def gpus(self):
+        return self.tp * self.cp * self.dp
+
+    def flags(self):
+        """train_mp.py's flags for this layout."""
+        flags = [f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}"]
+        if self.order != "tp-cp-dp":
+            flags.append(f"--parallel_order={self.order}")
+        return flags + [flag for flag, on in (("--sequence_parallel", self.sequence_parallel),
+                                              ("--activation_checkpointing", self.checkpointing),
+                                              ("--fsdp", self.fsdp)) if on]
+
+
+def group_spans_nodes(layout, gpus_per_node):
+    """{group: True if one of its groups holds ranks of two nodes} for the groups of `layout` (ranks fill the nodes
+    in order, `gpus_per_node` each)."""
+    grid = RankGenerator(tp=layout.tp, dp=layout.dp, pp=1, cp=layout.cp, order=layout.order)
+    return {name: any(len({rank // gpus_per_node for rank in ranks}) > 1 for ranks in grid.get_ranks(name))
+            for name in ("tp", "cp", "tp-cp", "dp")}
+
+
+def _group_size(layout, group):
+    return {"tp": layout.tp, "cp": layout.cp, "tp-cp": layout.tp * layout.cp, "dp": layout.dp}[group]
+
+
+def collective_seconds(op, nbytes, ranks, bandwidth):
+    """A ring collective of `ranks` ranks: each rank sends (n-1)/n of the data once (all-gather: of its output;
+    reduce-scatter: of its input), twice for an all-reduce, at `bandwidth` bytes/s times the network efficiency."""
+    if ranks == 1:
+        return 0.0
+    wire = (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks * nbytes
+    return wire / (bandwidth * EFFICIENCY["network"])
+
+
+def attention_work_per_sample(shape, tp=1, cp=1, checkpointing=False):
+    """(tensor-core FLOPs, fp32 softmax operations) that attention's kernels execute for one sample on one rank:
+    the head dimension padded to a FlashAttention kernel's, the backward pass recomputing the scores (10 T^2 D, where
+    the flop counter counts 8), checkpointing's second forward."""
+    head_dim = shape.embed_dim // shape.num_heads
+    padded = next((size for size in FLASH_HEAD_DIMS if size >= head_dim), head_dim)
+    scores = _chunk(shape.tokens, cp) * shape.tokens * (shape.num_heads // tp)  # this rank's queries x all keys
+    forwards = 2 if checkpointing else 1
+    tensor = scores * padded * (4 * forwards + 10)
+    return shape.depth * tensor, shape.depth * scores * (SOFTMAX_OPS[0] * forwards + SOFTMAX_OPS[1])
+
+
+def gemm_flops_per_sample(shape, tp=1, cp=1, checkpointing=False):
+    """The linear layers' and the patch embedding's FLOPs for one sample on one rank: each block's on this rank's
+    tokens and columns (checkpointing: a second forward), the embedding and head on every token (each rank)."""
+    d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
+    linear = 2 * t_c * (4 * d * d + 2 * d * shape.hidden) // tp
+    patch_values = shape.patch_size ** 2
+    outside = 2 * 2 * shape.tokens * d * shape.in_channels * patch_values + 3 * 2 * shape.tokens * d * \
+        shape.out_channels * patch_values
+    return shape.depth * linear * (4 if checkpointing else 3) + outside
+
+
+def memory_bound_bytes_per_sample(shape, tp=1, cp=1, sequence_parallel=False, checkpointing=False, half=False):
+    """Bytes the elementwise and normalisation kernels of one sample's blocks read and write on one rank (an
+    estimate from the ops of networks/vit.py and distributed/layers.py, each operand streamed once; the backward
+    pass moves twice the forward's). Per block: the residual stream R (t_s D values), the norms' outputs entering
+    the linear layers C (t_c D), this rank's attention output S (t_c D / tp) and MLP activations H (t_c hidden / tp).
+    Forward: the two LayerNorms (fp32 in and out: 16 R), the two residual adds (20 R in 16-bit autocast: fp32 stream
+    plus a 16-bit branch; 24 R in fp32), attention's output back to tokens (4 or 8 S), GELU (4 or 8 H); under
+    autocast the casts of the norms' outputs for q, k, v and fc1 (24 C). The distributed layers add their biases
+    outside the GEMM (fp32: q, k, v, proj, fc1, fc2)."""
+    d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
+    t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
+    r, c, s, h = t_s * d, t_c * d, t_c * d // tp, t_c * shape.hidden // tp
+    if half:
+        forward = 36 * r + 24 * c + 4 * s + 4 * h
+        bias = 18 * s + 12 * r + 8 * h
+    else:
+        forward = 40 * r + 8 * s + 8 * h
+        bias = 24 * s + 16 * r + 8 * h
+    if tp * cp > 1:
+        forward += bias
+    return shape.depth * forward * (4 if checkpointing else 3)
+
+
+def _block_saved_bytes(shape, batch, half, layout):
+    """Saved activations of one block (without checkpointing): what its backward pass (or recomputation) holds."""
+    one, none = (saved_activation_bytes(dataclasses.replace(shape, depth=depth), batch, half, False, layout.tp,
+                                        layout.cp, layout.sequence_parallel) for depth in (1, 0))
+    return one - none
+
+
+def memory_bytes(shape, layout, batch, half):
+    """(after the forward, peak) bytes of tensors on rank 0 at a local batch of `batch`. After the forward of a step
+    (the previous step's gradients set to None): fp32 weights and Adam's moments (FSDP: this rank's shards, and the
+    root module's weights, which stay gathered until its backward), DDP's flat gradient buckets, the batch (input
+    and target) and the saved activations. The peak, during the backward pass: that, plus the gradients and one
+    block's activations (its recomputation under checkpointing, its gradients otherwise)."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    states = state_bytes_per_rank(shape, tp, dp, layout.fsdp, cp)
+    buckets = states["gradients"] if layout.gpus > 1 and not layout.fsdp else 0  # DDP's flat gradient buckets
+    gathered_root = 0
+    if layout.fsdp and dp > 1:
+        root = _tensor_shapes(shape, tp, tp * cp > 1)[-6:]
+        gathered_root = 4 * sum(numel - _shard(rows, numel, dp) for rows, numel in root)
+    image_values = shape.in_channels * shape.tokens * shape.patch_size ** 2
+    batch_bytes = 4 * batch * image_values * (shape.in_channels + shape.out_channels) // shape.in_channels
+    saved = saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp, layout.sequence_parallel)
+    after_forward = states["parameters"] + states["optimizer_state"] + buckets + gathered_root + batch_bytes + saved
+    return after_forward, after_forward + states["gradients"] + _block_saved_bytes(shape, batch, half, layout)
+
+
+def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=RUNTIME_OVERHEAD_GIB):
+    """Memory, time and speed of one training step of the ViT `shape` on `system` in `layout` (global batch over
+    dp; amp_mode "none" runs on TF32, as the tutorial's container does). Returns a dict: samples_per_sec, mfu,
+    memory_after_forward_gb and peak_memory_gb (GiB, as the tutorial logs them: memory_bytes plus the runtime
+    overhead), fits (the peak within the GPU's memory), the time breakdown of a step (matmul, softmax, memory-bound,
+    exposed communication: the activations' collectives and the sums before FSDP's step, and whatever of DDP's
+    gradient all-reduces outlasts the backward pass, or of FSDP's gathers and scatters the whole compute),
+    flops_per_sample (the serial model's, what MFU counts), comm_bytes_per_step by group, and the layout."""
+    if global_batch % layout.dp:
+        raise ValueError(f"global batch {global_batch} does not divide over dp={layout.dp}")
+    batch = global_batch // layout.dp
+    half = amp_mode in ("bf16", "fp16")
+    peak_flops = system.tensor_flops[amp_mode if half else "tf32"]
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    # time: compute, memory-bound, communication
+    attention_flops, softmax_ops = attention_work_per_sample(shape, tp, cp, layout.checkpointing)
+    matmul_s = batch * (gemm_flops_per_sample(shape, tp, cp, layout.checkpointing) + attention_flops) / \
+        (peak_flops * EFFICIENCY["matmul"])
+    softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])
+    held = parameters_per_rank(shape, tp, dp, layout.fsdp, cp)
+    memory_s = (batch * memory_bound_bytes_per_sample(shape, tp, cp, layout.sequence_parallel, layout.checkpointing,
+                                                      half) + ADAM_BYTES_PER_PARAMETER * held) / \
+        (system.hbm_bytes_per_s * EFFICIENCY["memory"])
+    compute_s = matmul_s + softmax_s + memory_s
+    backward_s = compute_s * (2 / 4 if layout.checkpointing else 2 / 3)
+    spans = group_spans_nodes(layout, system.gpus_per_node)
+    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0}
+    collectives = collectives_per_step(shape, batch, tp, cp, dp, layout.sequence_parallel, layout.checkpointing,
+                                       layout.fsdp, half=half)
+    for group, op, nbytes, when in collectives:
+        bandwidth = system.nic_bytes_per_s if spans[group] else system.nvlink_pair
+        comm_s[when] += collective_seconds(op, nbytes, _group_size(layout, group), bandwidth)
+    exposed_s = comm_s["activations"] + comm_s["step"] + max(0.0, comm_s["gradients"] - backward_s) + \
+        max(0.0, comm_s["weights"] - compute_s)
+    step_s = compute_s + exposed_s
+    samples_per_sec = global_batch / step_s
+    after_forward, peak = memory_bytes(shape, layout, batch, half)
+    bytes_by_group = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
+    for group, _, nbytes, _ in collectives:
+        bytes_by_group[group] += nbytes
+    flops = flops_per_sample(shape)
+    return {
+        "tp": tp, "cp": cp, "dp": dp, "gpus": layout.gpus, "order": layout.order, "flags": layout.flags(),
+        "system": system.name, "amp_mode": amp_mode, "global_batch_size": global_batch, "local_batch_size": batch,
+        "samples_per_sec": samples_per_sec,
+        "mfu": flops * samples_per_sec / (layout.gpus * peak_flops),
+        "memory_after_forward_gb": after_forward / GIB + overhead_gib,
+        "peak_memory_gb": peak / GIB + overhead_gib,
+        "fits": peak / GIB + overhead_gib <= system.memory_gib,
+        "step_time_s": step_s,
+        "time_breakdown_s": {"matmul": matmul_s, "softmax": softmax_s, "memory_bound": memory_s,
+                             "exposed_communication": exposed_s},
+        "flops_per_sample": flops,
+        "comm_bytes_per_step": bytes_by_group,
+        "comm_seconds": comm_s,
+        "parameters_per_gpu": held,
+        "saved_activations_gb": saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp,
+                                                       layout.sequence_parallel) / GIB,
+    }
+
+
+def predicted_memory_line(params, args, dp):
+    """train_mp.py's start-up line: the model's memory of rank 0's tensors after the forward pass and at the peak,
+    to read against the measured "Memory usage after forward pass" line (the allocator's high watermark on a GPU)."""
+    if params.get("model", "vit") != "vit":
+        return "Performance model: no memory prediction (it covers the ViT)"
+    layout = Layout(args.tensor_parallel, args.context_parallel, dp, args.sequence_parallel,
+                    args.activation_checkpointing, getattr(args, "fsdp", False) and dp > 1, args.parallel_order)
+    after_forward, peak = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size,
+                                       params.amp_enabled)
+    return (f"Predicted memory of the tensors (utils/perf_model.py): {after_forward / GIB:.4f} GB after the forward "
+            f"pass, {peak / GIB:.4f} GB at the step's peak")

@@ -1,0 +1,219 @@
+"""Plan a model-parallel layout before spending GPU hours: the performance model (utils/perf_model.py) predicts
+memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout on a table of GPUs.
+
+    make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
+    make plan ARGS="--config mp --gpus 16 --plan"                         # every layout that fits, fastest first
+    python -m benchmarks.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
+
+The flags are train_mp.py's (--yaml_config --config --tensor_parallel --context_parallel --parallel_order --amp_mode
+--sequence_parallel --activation_checkpointing --fsdp) plus --gpu (the system), --gpus (all GPUs of the job: dp =
+gpus / (tp x cp); the local batch follows from the config's global batch), --plan and --json (the last line printed
+is one JSON object: the prediction, or with --plan {"layouts": [...]}, each with its tp, cp, dp). With --plan the
+layout flags given are kept and the others are tried: every tp and cp that divide, and the memory flags. Each layout
+comes with the sbatch line that runs it (submit_pm_mp.sh: nodes of 4 GPUs). Predictions, not measurements:
+docs/perf_model.md says what the model counts and how it compares with the published runs.
+"""
+import itertools
+import json
+import math
+
+from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, Layout, ViTShape, parameters_per_rank, predict
+from utils.YParams import YParams
+
+MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
+# the published runs (FACTS A23: the original's README, Perlmutter): config, GPU, layout, amp, samples/s, memory
+# after the forward pass (GB, as its log line reads them; None: not published)
+PUBLISHED = [
+    ("short", "A100-40GB", Layout(), "bf16", 53.6, None),  # DALI + AMP bf16, one GPU, steady epochs
+    ("mp", "A100-80GB", Layout(tp=1, dp=4), "fp16", 93.2, 44.9),  # OOM on the 40 GB A100
+    ("mp", "A100-40GB", Layout(tp=4, dp=4), "fp16", 124.4, 33.2),
+]
+
+
+def parser():
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--yaml_config", default="./config/ViT.yaml", help="YAML file of named configs")
+    add("--config", default="mp", help="a ViT config of the file")
+    add("--tensor_parallel", type=int, default=1, help="tp")
+    add("--context_parallel", type=int, default=1, help="cp")
+    add("--parallel_order", default="tp-cp-dp", help="rank order, first name fastest (4 ranks a node)")
+    add("--amp_mode", choices=["none", "fp16", "bf16"], default=None, help="precision (default: the config's)")
+    add("--sequence_parallel", action="store_true")
+    add("--activation_checkpointing", action="store_true")
+    add("--fsdp", action="store_true")
+    add("--gpu", choices=sorted(SYSTEMS), default="A100-40GB", help="the GPU (Perlmutter-style nodes of 4)")
+    add("--gpus", type=int, default=None, help="GPUs of the job (default: tp x cp, so dp = 1)")
+    add("--overhead_gb", type=float, default=RUNTIME_OVERHEAD_GIB,
+        help="GPU memory outside the model's tensors (CUDA context, NCCL, DALI); default: the tutorial's")
+    add("--plan", action="store_true", help="every layout of --gpus GPUs that fits, fastest first")
+    add("--json", action="store_true", help="end with one line of JSON")
+    add("--top", type=int, default=10, help="layouts printed with --plan (the JSON holds all)")
+    add("--published", action="store_true", help="the model against the published runs (README's table)")
+    return parser
+
+
+def read_config(args):
+    params = YParams(args.yaml_config, args.config)
+    if params.get("model", "vit") != "vit":
+        raise UserError(f"config '{args.config}' is a {params.get('model')} model; the performance model covers the "
+                        "ViT configs of config/ViT.yaml (e.g. --config mp)")
+    return ViTShape.from_params(params), params.global_batch_size, args.amp_mode or params.get("amp_mode", "none")
+
+
+def check_layout(shape, layout, global_batch):
+    """One line naming what does not divide, or None."""
+    if layout.gpus != layout.tp * layout.cp * layout.dp or layout.dp < 1:
+        return f"{layout.tp * layout.cp} model-parallel ranks (tp x cp) do not divide the GPUs"
+    if shape.num_heads % layout.tp or shape.hidden % layout.tp:
+        return f"tp={layout.tp} does not divide the {shape.num_heads} attention heads (or the MLP's {shape.hidden})"
+    if layout.cp > shape.tokens:
+        return f"cp={layout.cp} is more than the {shape.tokens} tokens"
+    if global_batch % layout.dp:
+        return f"the global batch {global_batch} does not divide over dp={layout.dp}"
+    if layout.sequence_parallel and layout.tp == 1:
+        return "--sequence_parallel needs --tensor_parallel > 1"
+    return None
+
+
+def sbatch_line(config, layout, amp_mode=None):
+    gpus = layout.gpus
+    nodes = f"--nodes {math.ceil(gpus / 4)}" if gpus >= 4 else f"--nodes 1 --ntasks-per-node {gpus} " \
+        f"--gpus-per-node {gpus}"
+    extra = [f"--amp_mode={amp_mode}"] if amp_mode else []
+    return " ".join(["sbatch", nodes, "submit_pm_mp.sh", f"--config={config}", *layout.flags(), *extra])
+
+
+def layouts_of(gpus, args):
+    """Every layout of `gpus` GPUs: tp and cp dividing them (or the ones given), with each combination of the memory
+    flags that applies (the flags given are always on)."""
+    given_tp, given_cp = args.tensor_parallel != 1, args.context_parallel != 1
+    for tp in [args.tensor_parallel] if given_tp else [n for n in range(1, gpus + 1) if gpus % n == 0]:
+        for cp in [args.context_parallel] if given_cp else [n for n in range(1, gpus // tp + 1)
+                                                            if (gpus // tp) % n == 0]:
+            if gpus % (tp * cp):
+                continue
+            for sp, ac, fsdp in MEMORY_FLAGS:
+                if (sp and tp == 1) or (fsdp and gpus == tp * cp):
+                    continue
+                if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
+                        (args.fsdp and not fsdp):
+                    continue
+                yield Layout(tp, cp, gpus // (tp * cp), sp, ac, fsdp, args.parallel_order)
+
+
+def plan(shape, system, gpus, global_batch, amp_mode, args):
+    """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first."""
+    found = []
+    for layout in layouts_of(gpus, args):
+        if check_layout(shape, layout, global_batch) is None:
+            prediction = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
+            if prediction["fits"]:
+                found.append(prediction)
+    return sorted(found, key=lambda row: -row["samples_per_sec"])
+
+
+def describe(row, system):
+    breakdown = row["time_breakdown_s"]
+    comm = ", ".join(f"{group} {nbytes / 1e9:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
+                     if nbytes)
+    return "\n".join([
+        f"layout tp={row['tp']} cp={row['cp']} dp={row['dp']} ({row['order']}) {' '.join(row['flags'][2:])}".rstrip(),
+        f"  per GPU: {row['parameters_per_gpu'] / 1e6:.1f} M parameters, local batch {row['local_batch_size']}; "
+        f"memory after the forward {row['memory_after_forward_gb']:.1f} GB, peak {row['peak_memory_gb']:.1f} GB of "
+        f"{system.memory_gib:g} ({'fits' if row['fits'] else 'does NOT fit'})",
+        f"  step {1e3 * row['step_time_s']:.0f} ms: matmul {1e3 * breakdown['matmul']:.0f}, softmax "
+        f"{1e3 * breakdown['softmax']:.0f}, memory-bound {1e3 * breakdown['memory_bound']:.0f}, exposed "
+        f"communication {1e3 * breakdown['exposed_communication']:.0f} ms; moved per step: {comm or 'nothing'}",
+        f"  predicted {row['samples_per_sec']:.1f} samples/s, MFU {100 * row['mfu']:.1f}%",
+        f"  run it: {row['sbatch']}"])
+
+
+def against_published(yaml_config="./config/ViT.yaml"):
+    """[(config, GPU, layout, amp, prediction, published samples/s, published memory)] of the published runs."""
+    rows = []
+    for config, gpu, layout, amp, speed, memory in PUBLISHED:
+        params = YParams(yaml_config, config)
+        prediction = predict(ViTShape.from_params(params), SYSTEMS[gpu], layout, params.global_batch_size, amp)
+        rows.append((config, gpu, layout, amp, prediction, speed, memory))
+    return rows
+
+
+def print_published(as_json):
+    print("| run (published: FACTS A23) | GPUs | samples/s predicted / published | memory after the forward, GB |")
+    print("|---|---|---|---|")
+    found = []
+    for config, gpu, layout, amp, row, speed, memory in against_published():
+        ratio = row["samples_per_sec"] / speed
+        memory_cell = "not published" if memory is None else \
+            f"{row['memory_after_forward_gb']:.1f} / {memory} ({row['memory_after_forward_gb'] / memory:.2f}x)"
+        print(f"| `{config}` tp={layout.tp} dp={layout.dp}, {amp} | {layout.gpus} x {gpu} | "
+              f"{row['samples_per_sec']:.1f} / {speed} ({ratio:.2f}x) | {memory_cell} |")
+        found.append({**row, "config": config, "published_samples_per_sec": speed,
+                      "published_memory_after_forward_gb": memory})
+    if as_json:
+        print(json.dumps({"published": found}))
+    return found
+
+
+def summary(row, system):
+    """Two lines of --plan: the layout and its prediction, then the sbatch line."""
+    flags = " ".join(row["flags"][2:])
+    exposed_ms = 1e3 * row["time_breakdown_s"]["exposed_communication"]
+    return (f"tp={row['tp']} cp={row['cp']} dp={row['dp']}{' ' + flags if flags else ''}: "
+            f"{row['samples_per_sec']:.1f} samples/s, MFU {100 * row['mfu']:.1f}%, "
+            f"{row['memory_after_forward_gb']:.1f} GB after the forward (peak {row['peak_memory_gb']:.1f} of "
+            f"{system.memory_gib:g}), exposed communication {exposed_ms:.0f} of {1e3 * row['step_time_s']:.0f} ms "
+            f"a step\n      {row['sbatch']}")
+
+
+@exit_on_user_error
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.published:
+        return print_published(args.json)
+    shape, global_batch, amp_mode = read_config(args)
+    system = SYSTEMS[args.gpu]
+    model_parallel = args.tensor_parallel * args.context_parallel
+    gpus = args.gpus if args.gpus is not None else model_parallel
+    if gpus < 1 or (gpus > 4 and gpus % 4):
+        raise UserError(f"--gpus {gpus}: give 1 to 4 GPUs or whole nodes of 4 (submit_pm_mp.sh runs 4 ranks a node)")
+    if args.tensor_parallel < 1 or args.context_parallel < 1 or gpus % model_parallel:
+        raise UserError(f"tp x cp = {args.tensor_parallel} x {args.context_parallel} does not divide --gpus {gpus}; "
+                        "choose sizes whose product divides the GPUs")
+    amp_flag = args.amp_mode
+    print(f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
+          f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
+          f"{predict(shape, system, Layout(), global_batch, amp_mode, 0)['flops_per_sample'] / 1e12:.2f} TFLOP per "
+          f"sample (forward + backward); global batch {global_batch}, amp {amp_mode}, {gpus} x {system.name}")
+    if args.plan:
+        rows = plan(shape, system, gpus, global_batch, amp_mode, args)
+        for row in rows:
+            row["sbatch"] = sbatch_line(args.config, Layout(row["tp"], row["cp"], row["dp"],
+                                                            "--sequence_parallel" in row["flags"],
+                                                            "--activation_checkpointing" in row["flags"],
+                                                            "--fsdp" in row["flags"], row["order"]), amp_flag)
+        if not rows:
+            print(f"no layout of {gpus} GPUs fits in {system.memory_gib:g} GB (try more GPUs, or a larger GPU)")
+        for rank, row in enumerate(rows[:args.top], start=1):
+            print(f"{rank:2d}. " + summary(row, system))
+        if len(rows) > args.top:
+            print(f"... and {len(rows) - args.top} slower layouts that fit (--top N, or --json for all)")
+        result = {"gpus": gpus, "system": system.name, "config": args.config, "layouts": rows}
+    else:
+        layout = Layout(args.tensor_parallel, args.context_parallel, gpus // model_parallel, args.sequence_parallel,
+                        args.activation_checkpointing, args.fsdp, args.parallel_order)
+        problem = check_layout(shape, layout, global_batch)
+        if problem:
+            raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
+        result = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
+        result["sbatch"] = sbatch_line(args.config, layout, amp_flag)
+        print(describe(result, system))
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

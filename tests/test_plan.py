@@ -1,0 +1,156 @@
+"""The performance model's time and memory (utils/perf_model.predict) and the layout planner (benchmarks/plan.py):
+
+- the published GPU runs (FACTS A23, A100 on Perlmutter): samples/s within 25% and memory after the forward within
+  15%, every row with the same constants; the twins (tensor parallelism's collectives free, the runtime overhead
+  left out) miss;
+- the planner's obvious truths: a layout that cannot fit is never listed (the published "OOM on 40 GB" layout is
+  missing on A100-40GB and listed on A100-80GB); more GPUs never predicted slower for the same layout per GPU; tp
+  across nodes predicted slower than tp inside a node (and the same when the NIC is as fast as NVLink);
+- the command's interface: the JSON line, the layouts of --plan, and one line with exit 2 for what cannot be
+  planned.
+"""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import plan
+from tests.conftest import REPO_ROOT
+from utils import perf_model
+from utils.perf_model import SYSTEMS, Layout, ViTShape, predict
+from utils.YParams import YParams
+
+pytestmark = pytest.mark.usefixtures("in_repo_root")
+
+
+
+def shape_of(config):
+    return ViTShape.from_params(YParams("config/ViT.yaml", config))
+
+
+def published_rows():
+    return [(row, speed, memory) for *_, row, speed, memory in plan.against_published()]
+
+
+def test_the_published_runs_are_predicted_within_the_targets(capsys):
+    """FACTS A23's three runs, as `make plan ARGS=--published` prints them for README."""
+    checked = 0
+    assert len(plan.print_published(False)) == 3 and capsys.readouterr().out.count("x A100") == 3
+    for row, speed, memory in published_rows():
+        assert row["samples_per_sec"] == pytest.approx(speed, rel=0.25), (row["tp"], row["dp"])
+        if memory is not None:
+            assert row["memory_after_forward_gb"] == pytest.approx(memory, rel=0.15), (row["tp"], row["dp"])
+            checked += 1
+    assert checked == 2
+
+
+def test_without_the_tp_collectives_or_the_runtime_overhead_the_published_runs_are_missed(monkeypatch):
+    """The twins: tensor parallelism's collectives taken as free, the tp=4 run's speed misses; the memory outside
+    the tensors left out, the memory of both mp runs misses."""
+    free = perf_model.collective_seconds
+    monkeypatch.setattr(perf_model, "collective_seconds",
+                        lambda op, nbytes, ranks, bandwidth: 0.0 if ranks == 4 else free(op, nbytes, ranks, bandwidth))
+    row, speed, _ = published_rows()[2]
+    assert row["samples_per_sec"] != pytest.approx(speed, rel=0.25)
+    monkeypatch.setattr(perf_model, "collective_seconds", free)
+    for config, gpu, layout, amp, _, memory in plan.PUBLISHED[1:]:
+        row = predict(shape_of(config), SYSTEMS[gpu], layout, 64, amp, overhead_gib=0)
+        assert row["memory_after_forward_gb"] != pytest.approx(memory, rel=0.15)
+
+
+def plan_args(*argv):
+    return plan.parser().parse_args(["--config", "mp", *argv])
+
+
+def test_a_layout_that_cannot_fit_is_never_listed():
+    """The mp config at tp=1 on 4 GPUs ran out of memory on the 40 GB A100 and ran on the 80 GB one (A23)."""
+    shape, published_oom = shape_of("mp"), Layout(tp=1, dp=4)
+    listed = {gpu: plan.plan(shape, SYSTEMS[gpu], 4, 64, "fp16", plan_args("--gpus", "4"))
+              for gpu in ("A100-40GB", "A100-80GB")}
+    assert listed["A100-40GB"] and all(row["peak_memory_gb"] <= 40 for row in listed["A100-40GB"])
+    layouts = {gpu: [(row["tp"], row["cp"], row["dp"], tuple(row["flags"])) for row in rows]
+               for gpu, rows in listed.items()}
+    oom = (1, 1, 4, tuple(published_oom.flags()))
+    assert oom not in layouts["A100-40GB"] and oom in layouts["A100-80GB"]
+    speeds = [row["samples_per_sec"] for row in listed["A100-40GB"]]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("tp, cp, flags", [(1, 1, {}), (4, 1, {"sequence_parallel": True}),
+                                           (2, 2, {"checkpointing": True}), (1, 1, {"fsdp": True})])
+def test_more_gpus_are_never_predicted_slower_for_the_same_layout_per_gpu(tp, cp, flags, monkeypatch):
+    """Local batch 16, the same tp x cp and flags, dp from 1 (2 with FSDP) to 64: samples/s only grows (a ring moves
+    at most twice the data per rank, however many ranks). The twin: collectives where each rank sends its whole
+    tensor to every other one, over slow NICs, make more GPUs slower."""
+    shape = shape_of("mp")
+
+    def speeds(system):
+        return [predict(shape, system, Layout(tp, cp, dp, **flags), 16 * dp, "bf16")["samples_per_sec"]
+                for dp in (1, 2, 4, 8, 16, 32, 64) if dp > 1 or not flags.get("fsdp")]
+
+    found = speeds(SYSTEMS["A100-40GB"])
+    assert all(later > earlier for earlier, later in zip(found, found[1:])), found
+    monkeypatch.setattr(perf_model, "collective_seconds",
+                        lambda op, nbytes, ranks, bandwidth: (ranks - 1) * nbytes / bandwidth)
+    slowed = speeds(dataclasses.replace(SYSTEMS["A100-40GB"], nic_bytes_per_s=1e7))
+    assert not all(later > earlier for earlier, later in zip(slowed, slowed[1:])), slowed
+
+
+def test_tp_across_nodes_is_predicted_slower_than_inside_a_node():
+    shape, system = shape_of("mp"), SYSTEMS["A100-40GB"]
+    inside, across = Layout(tp=4, dp=4, order="tp-cp-dp"), Layout(tp=4, dp=4, order="dp-tp-cp")
+    assert perf_model.group_spans_nodes(inside, 4) == {"tp": False, "cp": False, "tp-cp": False, "dp": True}
+    assert perf_model.group_spans_nodes(across, 4)["tp"] and not perf_model.group_spans_nodes(across, 4)["dp"]
+    assert predict(shape, system, across, 64)["samples_per_sec"] < predict(shape, system, inside, 64)[
+        "samples_per_sec"]
+    same = dataclasses.replace(system, nic_bytes_per_s=system.nvlink_pair)  # the twin: placement then costs nothing
+    assert predict(shape, same, across, 64)["samples_per_sec"] == pytest.approx(
+        predict(shape, same, inside, 64)["samples_per_sec"])
+
+
+def last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_json_line_has_the_interface(capsys):
+    plan.main(["--config", "mp", "--gpus", "16", "--tensor_parallel", "4", "--json"])
+    row = last_json(capsys)
+    for key in ("samples_per_sec", "mfu", "memory_after_forward_gb", "peak_memory_gb", "flops_per_sample"):
+        assert isinstance(row[key], (int, float)) and row[key] > 0, key
+    assert set(row["comm_bytes_per_step"]) >= {"tp", "cp", "dp"}
+    assert (row["tp"], row["cp"], row["dp"]) == (4, 1, 4) and row["comm_bytes_per_step"]["tp"] > 0
+    assert row["sbatch"] == "sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=4 --context_parallel=1"
+    plan.main(["--config", "mp", "--gpus", "16", "--plan", "--json", "--gpu", "H100-SXM"])
+    layouts = last_json(capsys)["layouts"]
+    assert len(layouts) > 10 and all(row["tp"] * row["cp"] * row["dp"] == 16 for row in layouts)
+    assert {(row["tp"], row["cp"]) for row in layouts} >= {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)}
+    assert all(row["fits"] and row["sbatch"].startswith("sbatch --nodes 4 submit_pm_mp.sh") for row in layouts)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--yaml_config", "config/UNet.yaml", "--config", "demo"], "covers the ViT"),
+    (["--config", "mp", "--gpus", "16", "--tensor_parallel", "3"], "does not divide"),
+    (["--config", "mp", "--gpus", "6"], "whole nodes of 4"),
+    (["--config", "mp", "--gpus", "128", "--tensor_parallel", "1"], "global batch 64 does not divide over dp=128"),
+    (["--config", "mp", "--tensor_parallel", "16"], "tp=16 does not divide the 8 attention heads"),
+    (["--config", "mp", "--gpu", "V100"], "invalid choice"),
+])
+def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as stop:
+        plan.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.multiprocess
+def test_make_plan_prints_the_json_last():
+    """The command as `make plan` runs it, in its own process."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--config", "mp", "--gpus", "4", "--plan",
+                          "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[1].startswith(" 1. tp=") and lines[2].strip().startswith("sbatch --nodes 1 submit_pm_mp.sh")
+    assert json.loads(lines[-1])["layouts"][0]["samples_per_sec"] > 0
