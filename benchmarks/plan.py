@@ -18,12 +18,20 @@ import json
 import math
 
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
-from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, Layout, ViTShape, parameters_per_rank, predict
+from utils.perf_model import (
+    RUNTIME_OVERHEAD_GIB,
+    SYSTEMS,
+    Layout,
+    ViTShape,
+    flops_per_sample,
+    parameters_per_rank,
+    predict,
+)
 from utils.YParams import YParams
 
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
-# the published runs (FACTS A23: the original's README, Perlmutter): config, GPU, layout, amp, samples/s, memory
-# after the forward pass (GB, as its log line reads them; None: not published)
+# the published runs (FACTS A23: the original's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
+# " Memory usage after forward pass" line (GB; None: not published)
 PUBLISHED = [
     ("short", "A100-40GB", Layout(), "bf16", 53.6, None),  # DALI + AMP bf16, one GPU, steady epochs
     ("mp", "A100-80GB", Layout(tp=1, dp=4), "fp16", 93.2, 44.9),  # OOM on the 40 GB A100
@@ -36,8 +44,8 @@ def parser():
     add = parser.add_argument
     add("--yaml_config", default="./config/ViT.yaml", help="YAML file of named configs")
     add("--config", default="mp", help="a ViT config of the file")
-    add("--tensor_parallel", type=int, default=1, help="tp")
-    add("--context_parallel", type=int, default=1, help="cp")
+    add("--tensor_parallel", type=int, default=None, help="tp (default 1; with --plan: every tp that divides)")
+    add("--context_parallel", type=int, default=None, help="cp (default 1; with --plan: every cp that divides)")
     add("--parallel_order", default="tp-cp-dp", help="rank order, first name fastest (4 ranks a node)")
     add("--amp_mode", choices=["none", "fp16", "bf16"], default=None, help="precision (default: the config's)")
     add("--sequence_parallel", action="store_true")
@@ -64,8 +72,6 @@ def read_config(args):
 
 def check_layout(shape, layout, global_batch):
     """One line naming what does not divide, or None."""
-    if layout.gpus != layout.tp * layout.cp * layout.dp or layout.dp < 1:
-        return f"{layout.tp * layout.cp} model-parallel ranks (tp x cp) do not divide the GPUs"
     if shape.num_heads % layout.tp or shape.hidden % layout.tp:
         return f"tp={layout.tp} does not divide the {shape.num_heads} attention heads (or the MLP's {shape.hidden})"
     if layout.cp > shape.tokens:
@@ -87,15 +93,14 @@ def sbatch_line(config, layout, amp_mode=None):
 
 def layouts_of(gpus, args):
     """Every layout of `gpus` GPUs: tp and cp dividing them (or the ones given), with each combination of the memory
-    flags that applies (the flags given are always on)."""
-    given_tp, given_cp = args.tensor_parallel != 1, args.context_parallel != 1
-    for tp in [args.tensor_parallel] if given_tp else [n for n in range(1, gpus + 1) if gpus % n == 0]:
-        for cp in [args.context_parallel] if given_cp else [n for n in range(1, gpus // tp + 1)
-                                                            if (gpus // tp) % n == 0]:
+    flags that applies (the flags given are always on; FSDP at dp = 1 only when asked for)."""
+    divisors = [n for n in range(1, gpus + 1) if gpus % n == 0]
+    for tp in divisors if args.tensor_parallel is None else [args.tensor_parallel]:
+        for cp in divisors if args.context_parallel is None else [args.context_parallel]:
             if gpus % (tp * cp):
                 continue
             for sp, ac, fsdp in MEMORY_FLAGS:
-                if (sp and tp == 1) or (fsdp and gpus == tp * cp):
+                if (sp and tp == 1) or (fsdp and gpus == tp * cp and not args.fsdp):
                     continue
                 if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
                         (args.fsdp and not fsdp):
@@ -104,25 +109,39 @@ def layouts_of(gpus, args):
 
 
 def plan(shape, system, gpus, global_batch, amp_mode, args):
-    """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first."""
-    found = []
+    """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first. None divides: one line."""
+    found, problems = [], []
     for layout in layouts_of(gpus, args):
-        if check_layout(shape, layout, global_batch) is None:
-            prediction = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
-            if prediction["fits"]:
-                found.append(prediction)
+        problem = check_layout(shape, layout, global_batch)
+        if problem:
+            problems.append(problem)
+            continue
+        prediction = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
+        if prediction["fits"]:
+            found.append(prediction)
+        problems.append(None)
+    if None not in problems:
+        reason = f" ({problems[0]})" if problems else ""
+        raise UserError(f"no layout of {gpus} GPUs with the sizes and flags given divides{reason}; change them")
     return sorted(found, key=lambda row: -row["samples_per_sec"])
 
 
 def describe(row, system):
-    breakdown = row["time_breakdown_s"]
-    comm = ", ".join(f"{group} {nbytes / 1e9:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
+    breakdown, counts = row["time_breakdown_s"], row["counts"]
+    memory = counts["memory_bytes"]
+    comm = ", ".join(f"{group} {nbytes / 1024 ** 3:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
                      if nbytes)
     return "\n".join([
         f"layout tp={row['tp']} cp={row['cp']} dp={row['dp']} ({row['order']}) {' '.join(row['flags'][2:])}".rstrip(),
         f"  per GPU: {row['parameters_per_gpu'] / 1e6:.1f} M parameters, local batch {row['local_batch_size']}; "
         f"memory after the forward {row['memory_after_forward_gb']:.1f} GB, peak {row['peak_memory_gb']:.1f} GB of "
         f"{system.memory_gib:g} ({'fits' if row['fits'] else 'does NOT fit'})",
+        "  of which (GB): " + ", ".join(f"{name.replace('_', ' ')} {memory[name] / 1024 ** 3:.2f}" for name in (
+            "weights", "optimizer_state", "ddp_buckets", "gathered_root", "input_batch", "saved_activations",
+            "gradients")) +
+        f", runtime overhead {row['memory_after_forward_gb'] - memory['after_forward'] / 1024 ** 3:.1f}",
+        f"  one block, one sample: {counts['block_flops_per_sample']['forward'] / 1e9:.1f} GFLOP forward, "
+        f"{counts['block_flops_per_sample']['backward'] / 1e9:.1f} backward (this rank's share)",
         f"  step {1e3 * row['step_time_s']:.0f} ms: matmul {1e3 * breakdown['matmul']:.0f}, softmax "
         f"{1e3 * breakdown['softmax']:.0f}, memory-bound {1e3 * breakdown['memory_bound']:.0f}, exposed "
         f"communication {1e3 * breakdown['exposed_communication']:.0f} ms; moved per step: {comm or 'nothing'}",
@@ -141,17 +160,21 @@ def against_published(yaml_config="./config/ViT.yaml"):
 
 
 def print_published(as_json):
-    print("| run (published: FACTS A23) | GPUs | samples/s predicted / published | memory after the forward, GB |")
+    """README's table: predicted samples/s and peak memory against the published runs. The published memory is the
+    line " Memory usage after forward pass", NVML's used memory at the second step: by then the allocator's cache
+    holds the first step's peak, so it is read against the predicted peak (plus the runtime overhead)."""
+    print("| run (published: FACTS A23) | GPUs | samples/s predicted / published | memory, GB: predicted peak / "
+          "published |")
     print("|---|---|---|---|")
     found = []
     for config, gpu, layout, amp, row, speed, memory in against_published():
         ratio = row["samples_per_sec"] / speed
         memory_cell = "not published" if memory is None else \
-            f"{row['memory_after_forward_gb']:.1f} / {memory} ({row['memory_after_forward_gb'] / memory:.2f}x)"
+            f"{row['peak_memory_gb']:.1f} / {memory} ({row['peak_memory_gb'] / memory:.2f}x)"
         print(f"| `{config}` tp={layout.tp} dp={layout.dp}, {amp} | {layout.gpus} x {gpu} | "
               f"{row['samples_per_sec']:.1f} / {speed} ({ratio:.2f}x) | {memory_cell} |")
         found.append({**row, "config": config, "published_samples_per_sec": speed,
-                      "published_memory_after_forward_gb": memory})
+                      "published_memory_gb": memory})
     if as_json:
         print(json.dumps({"published": found}))
     return found
@@ -168,27 +191,39 @@ def summary(row, system):
             f"a step\n      {row['sbatch']}")
 
 
+def check_numbers(args):
+    """Sizes and numbers that cannot be right, one line each."""
+    for flag, value in (("--tensor_parallel", args.tensor_parallel), ("--context_parallel", args.context_parallel),
+                        ("--gpus", args.gpus), ("--top", args.top)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} is {value}; it must be at least 1")
+    if not math.isfinite(args.overhead_gb) or args.overhead_gb < 0:
+        raise UserError(f"--overhead_gb is {args.overhead_gb}; give the GB outside the tensors, a number >= 0")
+
+
 @exit_on_user_error
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.published:
         return print_published(args.json)
+    check_numbers(args)
     shape, global_batch, amp_mode = read_config(args)
     system = SYSTEMS[args.gpu]
-    model_parallel = args.tensor_parallel * args.context_parallel
-    gpus = args.gpus if args.gpus is not None else model_parallel
+    tp, cp = args.tensor_parallel or 1, args.context_parallel or 1
+    gpus = args.gpus if args.gpus is not None else tp * cp
     if gpus < 1 or (gpus > 4 and gpus % 4):
         raise UserError(f"--gpus {gpus}: give 1 to 4 GPUs or whole nodes of 4 (submit_pm_mp.sh runs 4 ranks a node)")
-    if args.tensor_parallel < 1 or args.context_parallel < 1 or gpus % model_parallel:
-        raise UserError(f"tp x cp = {args.tensor_parallel} x {args.context_parallel} does not divide --gpus {gpus}; "
-                        "choose sizes whose product divides the GPUs")
+    if gpus % (tp * cp):
+        raise UserError(f"tp x cp = {tp} x {cp} does not divide --gpus {gpus}; choose sizes whose product divides "
+                        "the GPUs")
     amp_flag = args.amp_mode
-    print(f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
-          f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
-          f"{predict(shape, system, Layout(), global_batch, amp_mode, 0)['flops_per_sample'] / 1e12:.2f} TFLOP per "
-          f"sample (forward + backward); global batch {global_batch}, amp {amp_mode}, {gpus} x {system.name}")
+    header = (f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
+              f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
+              f"{flops_per_sample(shape) / 1e12:.2f} TFLOP per sample (forward + backward); global batch "
+              f"{global_batch}, amp {amp_mode}, {gpus} x {system.name}")
     if args.plan:
         rows = plan(shape, system, gpus, global_batch, amp_mode, args)
+        print(header)
         for row in rows:
             row["sbatch"] = sbatch_line(args.config, Layout(row["tp"], row["cp"], row["dp"],
                                                             "--sequence_parallel" in row["flags"],
@@ -202,13 +237,14 @@ def main(argv=None):
             print(f"... and {len(rows) - args.top} slower layouts that fit (--top N, or --json for all)")
         result = {"gpus": gpus, "system": system.name, "config": args.config, "layouts": rows}
     else:
-        layout = Layout(args.tensor_parallel, args.context_parallel, gpus // model_parallel, args.sequence_parallel,
-                        args.activation_checkpointing, args.fsdp, args.parallel_order)
+        layout = Layout(tp, cp, gpus // (tp * cp), args.sequence_parallel, args.activation_checkpointing, args.fsdp,
+                        args.parallel_order)
         problem = check_layout(shape, layout, global_batch)
         if problem:
             raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
         result = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
         result["sbatch"] = sbatch_line(args.config, layout, amp_flag)
+        print(header)
         print(describe(result, system))
     if args.json:
         print(json.dumps(result))

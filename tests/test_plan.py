@@ -1,7 +1,8 @@
 """The performance model's time and memory (utils/perf_model.predict) and the layout planner (benchmarks/plan.py):
 
-- the published GPU runs (FACTS A23, A100 on Perlmutter): samples/s within 25% and memory after the forward within
-  15%, every row with the same constants; the twins (tensor parallelism's collectives free, the runtime overhead
+- the published GPU runs (FACTS A23, A100 on Perlmutter): samples/s within 25% and the memory line within 15% (of
+  the predicted peak: the line reads NVML at the second step, when the allocator's cache holds the first step's
+  peak), every row with the same constants; the twins (tensor parallelism's collectives free, the runtime overhead
   left out) miss;
 - the planner's obvious truths: a layout that cannot fit is never listed (the published "OOM on 40 GB" layout is
   missing on A100-40GB and listed on A100-80GB); more GPUs never predicted slower for the same layout per GPU; tp
@@ -19,7 +20,7 @@ import pytest
 from benchmarks import plan
 from tests.conftest import REPO_ROOT
 from utils import perf_model
-from utils.perf_model import SYSTEMS, Layout, ViTShape, predict
+from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, Layout, ViTShape, predict
 from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -41,7 +42,7 @@ def test_the_published_runs_are_predicted_within_the_targets(capsys):
     for row, speed, memory in published_rows():
         assert row["samples_per_sec"] == pytest.approx(speed, rel=0.25), (row["tp"], row["dp"])
         if memory is not None:
-            assert row["memory_after_forward_gb"] == pytest.approx(memory, rel=0.15), (row["tp"], row["dp"])
+            assert row["peak_memory_gb"] == pytest.approx(memory, rel=0.15), (row["tp"], row["dp"])
             checked += 1
     assert checked == 2
 
@@ -57,7 +58,7 @@ def test_without_the_tp_collectives_or_the_runtime_overhead_the_published_runs_a
     monkeypatch.setattr(perf_model, "collective_seconds", free)
     for config, gpu, layout, amp, _, memory in plan.PUBLISHED[1:]:
         row = predict(shape_of(config), SYSTEMS[gpu], layout, 64, amp, overhead_gib=0)
-        assert row["memory_after_forward_gb"] != pytest.approx(memory, rel=0.15)
+        assert row["peak_memory_gb"] != pytest.approx(memory, rel=0.15)
 
 
 def plan_args(*argv):
@@ -80,10 +81,11 @@ def test_a_layout_that_cannot_fit_is_never_listed():
 
 @pytest.mark.parametrize("tp, cp, flags", [(1, 1, {}), (4, 1, {"sequence_parallel": True}),
                                            (2, 2, {"checkpointing": True}), (1, 1, {"fsdp": True})])
-def test_more_gpus_are_never_predicted_slower_for_the_same_layout_per_gpu(tp, cp, flags, monkeypatch):
+def test_more_gpus_are_never_predicted_slower_for_the_same_layout_per_gpu(tp, cp, flags):
     """Local batch 16, the same tp x cp and flags, dp from 1 (2 with FSDP) to 64: samples/s only grows (a ring moves
-    at most twice the data per rank, however many ranks). The twin: collectives where each rank sends its whole
-    tensor to every other one, over slow NICs, make more GPUs slower."""
+    at most twice the data per rank, however many ranks, and DDP's all-reduce hides behind the backward pass). The
+    twin: NICs 2,500 times slower than Slingshot's, where the dp group leaves the node it no longer hides, and the
+    job gets slower."""
     shape = shape_of("mp")
 
     def speeds(system):
@@ -92,8 +94,6 @@ def test_more_gpus_are_never_predicted_slower_for_the_same_layout_per_gpu(tp, cp
 
     found = speeds(SYSTEMS["A100-40GB"])
     assert all(later > earlier for earlier, later in zip(found, found[1:])), found
-    monkeypatch.setattr(perf_model, "collective_seconds",
-                        lambda op, nbytes, ranks, bandwidth: (ranks - 1) * nbytes / bandwidth)
     slowed = speeds(dataclasses.replace(SYSTEMS["A100-40GB"], nic_bytes_per_s=1e7))
     assert not all(later > earlier for earlier, later in zip(slowed, slowed[1:])), slowed
 
@@ -120,6 +120,17 @@ def test_the_json_line_has_the_interface(capsys):
     for key in ("samples_per_sec", "mfu", "memory_after_forward_gb", "peak_memory_gb", "flops_per_sample"):
         assert isinstance(row[key], (int, float)) and row[key] > 0, key
     assert set(row["comm_bytes_per_step"]) >= {"tp", "cp", "dp"}
+    counts = row["counts"]  # per block and per step: FLOPs, bytes by kind, every collective by group and op
+    assert counts["block_flops_per_sample"]["backward"] == 2 * counts["block_flops_per_sample"]["forward"] > 0
+    memory = counts["memory_bytes"]
+    assert memory["after_forward"] == sum(memory[name] for name in (
+        "weights", "optimizer_state", "ddp_buckets", "gathered_root", "input_batch", "saved_activations"))
+    assert row["memory_after_forward_gb"] == pytest.approx(memory["after_forward"] / 1024 ** 3 + RUNTIME_OVERHEAD_GIB)
+    by_group = {}
+    for collective in counts["collectives"]:
+        by_group[collective["group"]] = by_group.get(collective["group"], 0) + collective["bytes"]
+    assert by_group == {group: value for group, value in row["comm_bytes_per_step"].items() if value}
+    assert {(c["group"], c["op"]) for c in counts["collectives"]} >= {("tp", "all_reduce"), ("dp", "all_reduce")}
     assert (row["tp"], row["cp"], row["dp"]) == (4, 1, 4) and row["comm_bytes_per_step"]["tp"] > 0
     assert row["sbatch"] == "sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=4 --context_parallel=1"
     plan.main(["--config", "mp", "--gpus", "16", "--plan", "--json", "--gpu", "H100-SXM"])
@@ -135,14 +146,23 @@ def test_the_json_line_has_the_interface(capsys):
     (["--config", "mp", "--gpus", "6"], "whole nodes of 4"),
     (["--config", "mp", "--gpus", "128", "--tensor_parallel", "1"], "global batch 64 does not divide over dp=128"),
     (["--config", "mp", "--tensor_parallel", "16"], "tp=16 does not divide the 8 attention heads"),
+    (["--config", "mp", "--gpus", "16", "--tensor_parallel", "16", "--plan"], "no layout of 16 GPUs"),
     (["--config", "mp", "--gpu", "V100"], "invalid choice"),
+    (["--config", "mp", "--tensor_parallel", "0"], "--tensor_parallel is 0"),
+    (["--config", "mp", "--gpus", "8192", "--context_parallel", "8192"], "cp=8192 is more than the 4050 tokens"),
+    (["--config", "mp", "--sequence_parallel"], "--sequence_parallel needs --tensor_parallel > 1"),
+    (["--config", "mp", "--gpus", "4", "--parallel_order", "tp-xx"], "order 'tp-xx'"),
+    (["--yaml_config", "missing.yaml"], "not found"),
+    (["--config", "mp", "--overhead_gb", "nan"], "--overhead_gb is nan"),
+    (["--config", "mp", "--plan", "--gpus", "4", "--top", "0"], "--top is 0"),
 ])
 def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as stop:
         plan.main(argv)
     assert stop.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and len(err.splitlines()) == 1 and words in err, err
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and words in err and not out.out, err
 
 
 @pytest.mark.multiprocess

@@ -88,6 +88,10 @@ def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial
     assert_same_run(got, serial)
     assert f"Setting DP = {nproc // (tp * cp)}, TP = {tp}, CP = {cp}" in log
     assert "Scaffolding memory high watermark:" in log and " Memory usage after forward pass:" in log
+    from utils.perf_model import Layout
+    assert_the_start_up_line_is_the_performance_models(log, Layout(tp, cp, nproc // (tp * cp),
+                                                                   "--sequence_parallel" in flags, False,
+                                                                   "--fsdp" in flags))
 
 
 @pytest.mark.compat
@@ -113,25 +117,33 @@ def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
     assert logged == pytest.approx(serial, rel=1e-3)
 
 
+def assert_the_start_up_line_is_the_performance_models(log, layout):
+    """train_mp.py logs the model's memory of rank 0's tensors (to read against the measured line on a GPU): the
+    numbers of utils/perf_model.memory_bytes for the layout at the tiny config's local batch (global 4 over dp); the
+    twin, the same layout with checkpointing switched, differs."""
+    import dataclasses
+    import re
+
+    from utils.perf_model import GIB, ViTShape, memory_bytes
+    from utils.YParams import YParams
+    found = re.search(r"Predicted memory of the tensors \(utils/perf_model.py\): (\S+) GB after the forward pass, "
+                      r"(\S+) GB at the step's peak", log)
+    assert found, "no prediction line"
+    shape = ViTShape.from_params(YParams("config/ViT.yaml", "tiny"))
+    logged = [float(value) for value in found.groups()]
+    predicted = memory_bytes(shape, layout, 4 // layout.dp, False)
+    assert logged == pytest.approx([predicted["after_forward"] / GIB, predicted["peak"] / GIB], abs=2e-6)
+    twin = memory_bytes(shape, dataclasses.replace(layout, checkpointing=not layout.checkpointing), 4 // layout.dp,
+                        False)
+    assert logged[0] != pytest.approx(twin["after_forward"] / GIB, abs=2e-6)
+
+
 @pytest.mark.compat
 @pytest.mark.multiprocess
 def test_the_start_up_line_is_the_performance_models_memory_at_tp2_x_cp2(tp2_cp2):
-    """train_mp.py logs the model's memory of rank 0's tensors (to read against the measured line on a GPU): the
-    numbers of utils/perf_model.memory_bytes for tp2 x cp2 with sp and checkpointing at the tiny config's batch 4;
-    the twin, the same without checkpointing, differs."""
-    import re
-
-    from utils.perf_model import GIB, Layout, ViTShape, memory_bytes
-    from utils.YParams import YParams
-    found = re.search(r"Predicted memory of the tensors \(utils/perf_model.py\): (\S+) GB after the forward pass, "
-                      r"(\S+) GB at the step's peak", tp2_cp2[1])
-    assert found, "no prediction line"
-    shape = ViTShape.from_params(YParams("config/ViT.yaml", "tiny"))
-    layout = Layout(tp=2, cp=2, sequence_parallel=True, checkpointing=True)
-    logged = [float(value) for value in found.groups()]
-    assert logged == pytest.approx([value / GIB for value in memory_bytes(shape, layout, 4, False)], abs=1e-4)
-    twin = memory_bytes(shape, Layout(tp=2, cp=2, sequence_parallel=True), 4, False)
-    assert logged[0] != pytest.approx(twin[0] / GIB, abs=1e-4)
+    from utils.perf_model import Layout
+    assert_the_start_up_line_is_the_performance_models(
+        tp2_cp2[1], Layout(tp=2, cp=2, sequence_parallel=True, checkpointing=True))
 
 
 @pytest.mark.multiprocess

@@ -164,7 +164,8 @@ def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False
     `activation_bytes` is the size of one activation or activation-gradient value; with `half` (16-bit autocast)
     the row-parallel exits' outputs and their gradients are 16-bit (the matmul's output; the bias is added after the
     sum), everything else stays fp32 (the norms' outputs entering a column-parallel layer, keys and values with their
-    fp32 bias, the residual stream). Gradients and weights are fp32.
+    fp32 bias, the residual stream), except under FSDP, whose mixed-precision policy makes every activation 16-bit.
+    Gradients are fp32.
 
     Blocks (checkpointing repeats the forward's collectives up to fc1 in the backward pass): tp without sp
     all-reduces the row-parallel outputs forward and the column-parallel inputs' gradients backward; with sp these
@@ -173,13 +174,15 @@ def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False
     Gradients, in DDP's hook or before FSDP's step: the cp sums of every block weight and the final norm, the tp sums
     (or averages) of the norms and row-parallel biases, the tp-cp averages of the embeddings, final norm and head;
     then DDP all-reduces everything over dp, or FSDP all-gathers each block twice (forward, backward) and the root
-    once, and reduce-scatters the gradients.
+    once (in the autocast dtype with `half`: its mixed-precision policy), and reduce-scatters the gradients (fp32).
     """
     d, t, depth = shape.embed_dim, shape.tokens, shape.depth
     t_c = _chunk(t, cp)
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
     act = activation_bytes * batch
     out_act = (2 if half else activation_bytes) * batch  # a row-parallel exit's output (and its gradient)
+    if fsdp and half:  # FSDP's policy runs the forward on 16-bit weights: every activation is 16-bit
+        act = out_act
     found = []
 
     def add(group, op, nbytes, when="activations"):
@@ -222,7 +225,8 @@ def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False
         add("tp-cp", "all_reduce", 4 * held(root), when)
     if dp > 1 and fsdp:
         padded_block = dp * held(block)
-        add("dp", "all_gather", 4 * (2 * depth * padded_block + dp * held(root)), "weights")
+        gathered = 2 if half else 4  # FSDP's mixed-precision policy gathers the weights in the autocast dtype
+        add("dp", "all_gather", gathered * (2 * depth * padded_block + dp * held(root)), "weights")
         add("dp", "reduce_scatter", 4 * (depth * padded_block + dp * held(root)), "weights")  # fp32 gradients
     elif dp > 1:
         add("dp", "all_reduce", 4 * parameters_per_rank(shape, tp, cp=cp), "gradients")
@@ -279,9 +283,10 @@ EFFICIENCY = {
     "network": 0.8,
 }
 # GPU memory outside the model's tensors: the CUDA context, NCCL's buffers, DALI's pools. The tutorial logs it as
-# "Scaffolding memory high watermark" (NVML's used memory once the model is built; FACTS A23: 10.48 GB at tp=1,
-# 10.18 GB at tp=4 on the mp config), less the parameters it then holds (0.59, 0.15 GB): about 10 GB.
-RUNTIME_OVERHEAD_GIB = 10.0
+# "Scaffolding memory high watermark" (NVML's used memory once the model and DDP are built; FACTS A23: 10.48 GB at
+# tp=1, 10.18 GB at tp=4 on the mp config), less the parameters and DDP's gradient buckets it then holds (2 x 0.59,
+# 2 x 0.17 GB): 9.30 and 9.85 GB, 9.6 on average.
+RUNTIME_OVERHEAD_GIB = 9.6
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # FlashAttention's kernels; a head dimension runs padded up
 SOFTMAX_OPS = (5, 6)  # fp32 operations per attention score: forward (scale, max, subtract, exp, sum) and backward
 #                       (the recomputed probabilities: scale, subtract, exp; dS = P (dP - D), its scale)
@@ -388,34 +393,51 @@ def _block_saved_bytes(shape, batch, half, layout):
     return one - none
 
 
-def memory_bytes(shape, layout, batch, half):
-    """(after the forward, peak) bytes of tensors on rank 0 at a local batch of `batch`. After the forward of a step
-    (the previous step's gradients set to None): fp32 weights and Adam's moments (FSDP: this rank's shards, and the
-    root module's weights, which stay gathered until its backward), DDP's flat gradient buckets, the batch (input
-    and target) and the saved activations. The peak, during the backward pass: that, plus the gradients and one
-    block's activations (its recomputation under checkpointing, its gradients otherwise)."""
+def memory_bytes(shape, layout, batch, half, ddp=True):
+    """Bytes of tensors on rank 0 at a local batch of `batch`, by kind, with their sums "after_forward" and "peak".
+    After the forward of a step (the previous step's gradients set to None): fp32 weights and Adam's moments (FSDP:
+    this rank's shards, and the root module's weights, gathered (in the autocast dtype with `half`) until its
+    backward), DDP's flat gradient buckets (`ddp`: more than one rank and no --noddp), the batch (input and target)
+    and the saved activations. The peak, during the backward pass: that, plus the gradients and one block's
+    activations (its recomputation under checkpointing, its gradients otherwise)."""
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     states = state_bytes_per_rank(shape, tp, dp, layout.fsdp, cp)
-    buckets = states["gradients"] if layout.gpus > 1 and not layout.fsdp else 0  # DDP's flat gradient buckets
-    gathered_root = 0
+    buckets = states["gradients"] if ddp and layout.gpus > 1 and not layout.fsdp else 0
+    found = {"weights": states["parameters"], "optimizer_state": states["optimizer_state"], "ddp_buckets": buckets,
+             "gathered_root": 0}
     if layout.fsdp and dp > 1:
         root = _tensor_shapes(shape, tp, tp * cp > 1)[-6:]
-        gathered_root = 4 * sum(numel - _shard(rows, numel, dp) for rows, numel in root)
+        found["gathered_root"] = (2 if half else 4) * sum(numel for _, numel in root)
     image_values = shape.in_channels * shape.tokens * shape.patch_size ** 2
-    batch_bytes = 4 * batch * image_values * (shape.in_channels + shape.out_channels) // shape.in_channels
-    saved = saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp, layout.sequence_parallel)
-    after_forward = states["parameters"] + states["optimizer_state"] + buckets + gathered_root + batch_bytes + saved
-    return after_forward, after_forward + states["gradients"] + _block_saved_bytes(shape, batch, half, layout)
+    found["input_batch"] = 4 * batch * image_values * (shape.in_channels + shape.out_channels) // shape.in_channels
+    found["saved_activations"] = saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp,
+                                                        layout.sequence_parallel)
+    found["after_forward"] = sum(found.values())
+    found["gradients"] = states["gradients"]
+    found["backward_block"] = _block_saved_bytes(shape, batch, half, layout)
+    found["peak"] = found["after_forward"] + found["gradients"] + found["backward_block"]
+    return found
+
+
+def block_flops_per_sample(shape, tp=1, cp=1):
+    """(forward, backward) FLOPs of one transformer block for one sample on one rank (the flop counter's way: its
+    tokens and columns; attention 4 and 8 T_c T D / tp)."""
+    d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
+    forward = (2 * t_c * (4 * d * d + 2 * d * shape.hidden) + 4 * t_c * shape.tokens * d) // tp
+    return forward, 2 * forward
 
 
 def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=RUNTIME_OVERHEAD_GIB):
     """Memory, time and speed of one training step of the ViT `shape` on `system` in `layout` (global batch over
     dp; amp_mode "none" runs on TF32, as the tutorial's container does). Returns a dict: samples_per_sec, mfu,
     memory_after_forward_gb and peak_memory_gb (GiB, as the tutorial logs them: memory_bytes plus the runtime
-    overhead), fits (the peak within the GPU's memory), the time breakdown of a step (matmul, softmax, memory-bound,
-    exposed communication: the activations' collectives and the sums before FSDP's step, and whatever of DDP's
-    gradient all-reduces outlasts the backward pass, or of FSDP's gathers and scatters the whole compute),
-    flops_per_sample (the serial model's, what MFU counts), comm_bytes_per_step by group, and the layout."""
+    overhead; the tutorial's " Memory usage after forward pass" reads NVML's used memory at the second step, when the
+    allocator's cache already holds the first step's peak: read it against peak_memory_gb), fits (the peak within
+    the GPU's memory), the time breakdown of a step (matmul, softmax, memory-bound, exposed communication: the
+    activations' collectives and the sums before FSDP's step, and whatever of DDP's gradient all-reduces outlasts
+    the backward pass, or of FSDP's gathers and scatters the whole compute), flops_per_sample (the serial model's,
+    what MFU counts), comm_bytes_per_step by group, counts (one block's FLOPs, the bytes of memory_bytes, every
+    collective) and the layout."""
     if global_batch % layout.dp:
         raise ValueError(f"global batch {global_batch} does not divide over dp={layout.dp}")
     batch = global_batch // layout.dp
@@ -426,13 +448,13 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     attention_flops, softmax_ops = attention_work_per_sample(shape, tp, cp, layout.checkpointing)
     matmul_s = batch * (gemm_flops_per_sample(shape, tp, cp, layout.checkpointing) + attention_flops) / \
         (peak_flops * EFFICIENCY["matmul"])
-    softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])
+    softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])  # compute too: the same fraction
     held = parameters_per_rank(shape, tp, dp, layout.fsdp, cp)
     memory_s = (batch * memory_bound_bytes_per_sample(shape, tp, cp, layout.sequence_parallel, layout.checkpointing,
                                                       half) + ADAM_BYTES_PER_PARAMETER * held) / \
         (system.hbm_bytes_per_s * EFFICIENCY["memory"])
     compute_s = matmul_s + softmax_s + memory_s
-    backward_s = compute_s * (2 / 4 if layout.checkpointing else 2 / 3)
+    backward_s = compute_s * (3 / 4 if layout.checkpointing else 2 / 3)  # the backward pass (with its recomputation)
     spans = group_spans_nodes(layout, system.gpus_per_node)
     comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0}
     collectives = collectives_per_step(shape, batch, tp, cp, dp, layout.sequence_parallel, layout.checkpointing,
@@ -444,7 +466,7 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         max(0.0, comm_s["weights"] - compute_s)
     step_s = compute_s + exposed_s
     samples_per_sec = global_batch / step_s
-    after_forward, peak = memory_bytes(shape, layout, batch, half)
+    memory = memory_bytes(shape, layout, batch, half)
     bytes_by_group = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
     for group, _, nbytes, _ in collectives:
         bytes_by_group[group] += nbytes
@@ -454,9 +476,9 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "system": system.name, "amp_mode": amp_mode, "global_batch_size": global_batch, "local_batch_size": batch,
         "samples_per_sec": samples_per_sec,
         "mfu": flops * samples_per_sec / (layout.gpus * peak_flops),
-        "memory_after_forward_gb": after_forward / GIB + overhead_gib,
-        "peak_memory_gb": peak / GIB + overhead_gib,
-        "fits": peak / GIB + overhead_gib <= system.memory_gib,
+        "memory_after_forward_gb": memory["after_forward"] / GIB + overhead_gib,
+        "peak_memory_gb": memory["peak"] / GIB + overhead_gib,
+        "fits": memory["peak"] / GIB + overhead_gib <= system.memory_gib,
         "step_time_s": step_s,
         "time_breakdown_s": {"matmul": matmul_s, "softmax": softmax_s, "memory_bound": memory_s,
                              "exposed_communication": exposed_s},
@@ -464,19 +486,24 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "comm_bytes_per_step": bytes_by_group,
         "comm_seconds": comm_s,
         "parameters_per_gpu": held,
-        "saved_activations_gb": saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp,
-                                                       layout.sequence_parallel) / GIB,
+        "counts": {  # rank 0, one step at the local batch (bytes; FLOPs per sample)
+            "block_flops_per_sample": dict(zip(("forward", "backward"), block_flops_per_sample(shape, tp, cp))),
+            "memory_bytes": memory,
+            "collectives": [{"group": group, "op": op, "bytes": nbytes, "when": when}
+                            for group, op, nbytes, when in collectives],
+        },
     }
 
 
 def predicted_memory_line(params, args, dp):
-    """train_mp.py's start-up line: the model's memory of rank 0's tensors after the forward pass and at the peak,
-    to read against the measured "Memory usage after forward pass" line (the allocator's high watermark on a GPU)."""
+    """train_mp.py's start-up line: the model's memory of rank 0's tensors after the forward pass and at the peak.
+    On a GPU the measured " Memory usage after forward pass" line is the allocator's high watermark since start-up,
+    logged after the second step: read it against the peak."""
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
     layout = Layout(args.tensor_parallel, args.context_parallel, dp, args.sequence_parallel,
-                    args.activation_checkpointing, getattr(args, "fsdp", False) and dp > 1, args.parallel_order)
-    after_forward, peak = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size,
-                                       params.amp_enabled)
-    return (f"Predicted memory of the tensors (utils/perf_model.py): {after_forward / GIB:.4f} GB after the forward "
-            f"pass, {peak / GIB:.4f} GB at the step's peak")
+                    args.activation_checkpointing, getattr(args, "fsdp", False), args.parallel_order)
+    memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled,
+                          ddp=not args.noddp)
+    return (f"Predicted memory of the tensors (utils/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after the "
+            f"forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")
