@@ -33,8 +33,11 @@ def stage_data(era5_dir, tmp_path_factory):
 @pytest.mark.parametrize("stage", ["vit", "unet", "resnet"])
 def test_train_reproduces_each_stages_recorded_points_and_weights(stage, stage_data, tmp_path):
     """Every TensorBoard point and the final weights of each stage's `tiny` run, against the recorded values
-    (tests/data/spine_reference.json, first recorded with the original single-file train.py)."""
-    reference = json.load(open(REFERENCE))["stages"][stage]
+    (tests/data/spine_reference.json, first recorded with the original single-file train.py; where this CPU's kernels
+    give other numbers, the original's values recorded on such a CPU)."""
+    recorded = json.load(open(REFERENCE))
+    reference = dict(recorded["stages"][stage])
+    reference.update(recorded["by_cpu_capability"].get(torch.backends.cpu.get_cpu_capability(), {}).get(stage, {}))
     train.main(["--yaml_config", YAML[stage], "--config", "tiny", "--data_dir", stage_data[stage],
                 "--expdir", str(tmp_path), *reference["flags"]])
     run_dir = os.path.join(str(tmp_path), "tiny", "1GPU", "00")
