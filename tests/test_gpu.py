@@ -91,6 +91,7 @@ def test_train_mp_fsdp_over_nccl_matches_one_gpu(era5_dir, tmp_path):
         torch.testing.assert_close(checkpoint["model"][name], weight, atol=1e-3, rtol=1e-3, msg=name)
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_on_one_gpu_are_refused_in_one_line(era5_dir, tmp_path):
     """More ranks than GPUs on a node: every rank stops with one line before NCCL's "Duplicate GPU detected"."""
     from tests.conftest import run_command

@@ -363,6 +363,7 @@ def test_mp_graphs_tp2_equals_train_mp_over_nccl(era5_dir, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.multiprocess
 @needs_cuda
 def test_graphs_make_a_launch_bound_step_faster(era5_dir, tmp_path):
     """The tiny ViT (2 blocks, 16 x 32 images, batch 4) is launch bound: its graphed step must be faster."""
