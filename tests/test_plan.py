@@ -26,7 +26,6 @@ from utils.YParams import YParams
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
-
 def shape_of(config):
     return ViTShape.from_params(YParams("config/ViT.yaml", config))
 
@@ -48,8 +47,8 @@ def test_the_published_runs_are_predicted_within_the_targets(capsys):
 
 
 def test_without_the_tp_collectives_or_the_runtime_overhead_the_published_runs_are_missed(monkeypatch):
-    """The twins: tensor parallelism's collectives taken as free, the tp=4 run's speed misses; the memory outside
-    the tensors left out, the memory of both mp runs misses."""
+    """The twins: the collectives of 4-rank groups taken as free (tp's; dp's all-reduce hides behind the backward
+    pass anyway), the tp=4 run's speed misses; the memory outside the tensors left out, both mp runs' memory misses."""
     free = perf_model.collective_seconds
     monkeypatch.setattr(perf_model, "collective_seconds",
                         lambda op, nbytes, ranks, bandwidth: 0.0 if ranks == 4 else free(op, nbytes, ranks, bandwidth))
