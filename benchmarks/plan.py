@@ -19,6 +19,7 @@ import math
 
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
 from utils.perf_model import (
+    GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
     Layout,
@@ -109,19 +110,21 @@ def layouts_of(gpus, args):
 
 
 def plan(shape, system, gpus, global_batch, amp_mode, args):
-    """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first. None divides: one line."""
-    found, problems = [], []
+    """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first, each with its sbatch line.
+    None divides: one line."""
+    found, divides, first_problem = [], False, None
     for layout in layouts_of(gpus, args):
         problem = check_layout(shape, layout, global_batch)
         if problem:
-            problems.append(problem)
+            first_problem = first_problem or problem
             continue
+        divides = True
         prediction = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
         if prediction["fits"]:
+            prediction["sbatch"] = sbatch_line(args.config, layout, args.amp_mode)
             found.append(prediction)
-        problems.append(None)
-    if None not in problems:
-        reason = f" ({problems[0]})" if problems else ""
+    if not divides:
+        reason = f" ({first_problem})" if first_problem else ""
         raise UserError(f"no layout of {gpus} GPUs with the sizes and flags given divides{reason}; change them")
     return sorted(found, key=lambda row: -row["samples_per_sec"])
 
@@ -129,17 +132,17 @@ def plan(shape, system, gpus, global_batch, amp_mode, args):
 def describe(row, system):
     breakdown, counts = row["time_breakdown_s"], row["counts"]
     memory = counts["memory_bytes"]
-    comm = ", ".join(f"{group} {nbytes / 1024 ** 3:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
+    comm = ", ".join(f"{group} {nbytes / GIB:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
                      if nbytes)
     return "\n".join([
         f"layout tp={row['tp']} cp={row['cp']} dp={row['dp']} ({row['order']}) {' '.join(row['flags'][2:])}".rstrip(),
         f"  per GPU: {row['parameters_per_gpu'] / 1e6:.1f} M parameters, local batch {row['local_batch_size']}; "
         f"memory after the forward {row['memory_after_forward_gb']:.1f} GB, peak {row['peak_memory_gb']:.1f} GB of "
         f"{system.memory_gib:g} ({'fits' if row['fits'] else 'does NOT fit'})",
-        "  of which (GB): " + ", ".join(f"{name.replace('_', ' ')} {memory[name] / 1024 ** 3:.2f}" for name in (
+        "  of which (GB): " + ", ".join(f"{name.replace('_', ' ')} {memory[name] / GIB:.2f}" for name in (
             "weights", "optimizer_state", "ddp_buckets", "gathered_root", "input_batch", "saved_activations",
             "gradients")) +
-        f", runtime overhead {row['memory_after_forward_gb'] - memory['after_forward'] / 1024 ** 3:.1f}",
+        f", runtime overhead {row['memory_after_forward_gb'] - memory['after_forward'] / GIB:.1f}",
         f"  one block, one sample: {counts['block_flops_per_sample']['forward'] / 1e9:.1f} GFLOP forward, "
         f"{counts['block_flops_per_sample']['backward'] / 1e9:.1f} backward (this rank's share)",
         f"  step {1e3 * row['step_time_s']:.0f} ms: matmul {1e3 * breakdown['matmul']:.0f}, softmax "
@@ -216,7 +219,6 @@ def main(argv=None):
     if gpus % (tp * cp):
         raise UserError(f"tp x cp = {tp} x {cp} does not divide --gpus {gpus}; choose sizes whose product divides "
                         "the GPUs")
-    amp_flag = args.amp_mode
     header = (f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
               f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
               f"{flops_per_sample(shape) / 1e12:.2f} TFLOP per sample (forward + backward); global batch "
@@ -224,11 +226,6 @@ def main(argv=None):
     if args.plan:
         rows = plan(shape, system, gpus, global_batch, amp_mode, args)
         print(header)
-        for row in rows:
-            row["sbatch"] = sbatch_line(args.config, Layout(row["tp"], row["cp"], row["dp"],
-                                                            "--sequence_parallel" in row["flags"],
-                                                            "--activation_checkpointing" in row["flags"],
-                                                            "--fsdp" in row["flags"], row["order"]), amp_flag)
         if not rows:
             print(f"no layout of {gpus} GPUs fits in {system.memory_gib:g} GB (try more GPUs, or a larger GPU)")
         for rank, row in enumerate(rows[:args.top], start=1):
@@ -243,7 +240,7 @@ def main(argv=None):
         if problem:
             raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
         result = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
-        result["sbatch"] = sbatch_line(args.config, layout, amp_flag)
+        result["sbatch"] = sbatch_line(args.config, layout, args.amp_mode)
         print(header)
         print(describe(result, system))
     if args.json:

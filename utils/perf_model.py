@@ -237,9 +237,13 @@ def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False,
                         activation_bytes=4, half=False):
     """Bytes the collectives of one training step hand to the network on rank 0, summed by process group ("tp",
     "cp", "tp-cp", "dp"): collectives_per_step, totalled."""
+    return _bytes_by_group(collectives_per_step(shape, batch, tp, cp, dp, sequence_parallel, checkpointing, fsdp,
+                                                activation_bytes, half))
+
+
+def _bytes_by_group(collectives):
     out = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
-    for group, _, nbytes, _ in collectives_per_step(shape, batch, tp, cp, dp, sequence_parallel, checkpointing, fsdp,
-                                                    activation_bytes, half):
+    for group, _, nbytes, _ in collectives:
         out[group] += nbytes
     return out
 
@@ -467,9 +471,6 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     step_s = compute_s + exposed_s
     samples_per_sec = global_batch / step_s
     memory = memory_bytes(shape, layout, batch, half)
-    bytes_by_group = {"tp": 0, "cp": 0, "tp-cp": 0, "dp": 0}
-    for group, _, nbytes, _ in collectives:
-        bytes_by_group[group] += nbytes
     flops = flops_per_sample(shape)
     return {
         "tp": tp, "cp": cp, "dp": dp, "gpus": layout.gpus, "order": layout.order, "flags": layout.flags(),
@@ -483,7 +484,7 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "time_breakdown_s": {"matmul": matmul_s, "softmax": softmax_s, "memory_bound": memory_s,
                              "exposed_communication": exposed_s},
         "flops_per_sample": flops,
-        "comm_bytes_per_step": bytes_by_group,
+        "comm_bytes_per_step": _bytes_by_group(collectives),
         "comm_seconds": comm_s,
         "parameters_per_gpu": held,
         "counts": {  # rank 0, one step at the local batch (bytes; FLOPs per sample)
