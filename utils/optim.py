@@ -52,9 +52,26 @@ def get_optimizer(params, model):
         return torch.optim.Adam(model.parameters(), lr=initial_lr(params),
                                 betas=tuple(params.get("adam_betas", (0.9, 0.95))), fused=fused)
     if name == "SGD":
-        return torch.optim.SGD(model.parameters(), lr=initial_lr(params), momentum=params.get("momentum", 0.9),
-                               weight_decay=params.get("weight_decay", 0.0), fused=fused)
+        return zero_momentum_buffers(torch.optim.SGD(
+            model.parameters(), lr=initial_lr(params), momentum=params.get("momentum", 0.9),
+            weight_decay=params.get("weight_decay", 0.0), fused=fused))
     raise UserError(f"optimizer '{name}' is unknown; choose one of: Adam, SGD")
+
+
+def zero_momentum_buffers(optimizer):
+    """SGD with momentum: every momentum buffer exists, zero, before the first step.
+
+    Why: with fp16 the loss scaler hands a fused SGD its inf flag instead of skipping step(). On a first step the
+    fused SGD allocates its buffers uninitialised (empty_like), returns at once when the step overflowed (normal at
+    the initial scale), and keeps the never-written buffers: the next step multiplies garbage (a nan loss at
+    iteration 3 of the ResNet configs with enable_fused). A zero buffer gives the same first step as torch's own
+    start (buffer = gradient, dampening 0), for the fused, foreach and plain kernels alike. A checkpoint's state
+    replaces these buffers on resume."""
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) != 0:
+            for param in group["params"]:
+                optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+    return optimizer
 
 
 def make_capturable(optimizer):
