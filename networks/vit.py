@@ -96,7 +96,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x):
-        return self.proj(x).flatten(2).transpose(1, 2)
+        # contiguous: the transposed view would make every residual add and norm after it work on strided tokens
+        # (the eager step of `short` took 126.0 ms with the view, 113.2 ms with the copy, on an H100)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
 class VisionTransformer(nn.Module):

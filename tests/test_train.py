@@ -131,6 +131,8 @@ def write_yaml(tmp_path, **changes):
     ("dali", "data_loader_config 'dali-lowmem' is the cosmology boxes' DALI loader .*; for ERA5 choose one of: "
              "pytorch, dali"),
     ("batch", "has 256 samples, fewer than one global batch of 512"),
+    ("sdpa_cpu", "--sdpa_backend cudnn is a CUDA kernel; on the CPU use auto, flash or math"),
+    ("sdpa_yaml", "sdpa_backend 'fast' is unknown; choose one of: auto, cudnn, flash, efficient, math"),
 ])
 def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
     argv = ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path)]
@@ -146,6 +148,8 @@ def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
         "amp_mode": ["--amp_mode", "fp8"],
         "dali": ["--data_loader_config", "dali-lowmem"],
         "batch": ["--local_batch_size", "512"],
+        "sdpa_cpu": ["--sdpa_backend", "cudnn"],
+        "sdpa_yaml": ["--yaml_config", write_yaml(tmp_path, sdpa_backend="fast"), "--config", "bad"],
     }[case]
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv + extra)

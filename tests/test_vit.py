@@ -58,3 +58,28 @@ def test_shapes_that_do_not_divide_are_refused(changes, message):
     params.update(changes)
     with pytest.raises(UserError, match=message):
         ViT(params)
+
+
+@pytest.mark.parametrize("backend, kernel", [("math", "aten::_scaled_dot_product_attention_math"),
+                                             ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu")])
+def test_sdpa_backend_runs_the_kernel_it_names(backend, kernel):
+    """--sdpa_backend (config sdpa_backend) leaves scaled_dot_product_attention one kernel; "auto" gives torch's
+    choice back. On the CPU: math or flash, each seen in the profiler (each check fails under the other backend).
+    Not in the compat subset: torch 2.5's profiler starts a process."""
+    from utils.training import select_attention_backend
+    q = torch.randn(2, 4, 16, 8)
+
+    def kernels_run():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return {event.name for event in prof.events()}
+
+    try:
+        select_attention_backend(backend, torch.device("cpu"))
+        assert kernel in kernels_run()
+        other = {"math": "flash", "flash": "math"}[backend]
+        select_attention_backend(other, torch.device("cpu"))
+        assert kernel not in kernels_run()
+    finally:
+        select_attention_backend("auto", torch.device("cpu"))
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()

@@ -7,6 +7,7 @@ import torch
 from utils.errors import ArgumentParser, UserError
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")  # scaled_dot_product_attention's kernels
 
 
 def training_parser(description, one_process_dp=True):
@@ -33,6 +34,8 @@ def training_parser(description, one_process_dp=True):
     add("--num_data_workers", type=int, default=None, help="data loader worker processes")
     add("--data_loader_config", type=str, default=None,
         help="data loader: pytorch, dali (ERA5); pytorch (images); synthetic, inmem, lowmem, dali-lowmem (cosmology)")
+    add("--sdpa_backend", type=str, default=None, choices=SDPA_BACKENDS,
+        help="attention kernel (ViT): auto = torch's choice; cudnn, flash, efficient (memory-efficient) or math")
     add("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size in MB")
     add("--disable_broadcast_buffers", action="store_true",
         help="DDP without buffer broadcast, gradients as bucket views")
@@ -112,7 +115,7 @@ def take_flags(params, args):
         params.num_iters = None
     for key in ("amp_mode", "enable_fused", "enable_jit", "enable_nhwc", "num_iters", "num_epochs",
                 "num_data_workers", "data_loader_config", "expdir", "checkpoint_interval", "arch",
-                "enable_benchy", "benchy_nbatches", "benchy_ntrials", "benchy_nwarmup"):
+                "enable_benchy", "benchy_nbatches", "benchy_ntrials", "benchy_nwarmup", "sdpa_backend"):
         value = getattr(args, key)
         if value is not None:
             params[key] = value
@@ -133,6 +136,9 @@ def check_counts_and_set_defaults(params):
     params.setdefault("enable_jit", False)
     params.setdefault("enable_nhwc", False)
     params.setdefault("enable_benchy", False)
+    params.setdefault("sdpa_backend", "auto")
+    if params.sdpa_backend not in SDPA_BACKENDS:
+        raise UserError(f"sdpa_backend '{params.sdpa_backend}' is unknown; choose one of: {', '.join(SDPA_BACKENDS)}")
     for key, default, minimum in (("benchy_nbatches", 50, 1), ("benchy_ntrials", 2, 1), ("benchy_nwarmup", 2, 0)):
         params.setdefault(key, default)
         if params[key] < minimum:

@@ -73,6 +73,24 @@ def _make_run_dir(exp_dir):
     return RunDirectoryLock(exp_dir)
 
 
+# each attention kernel's switch and its setting as torch starts (what "auto" puts back)
+_SDPA_SWITCHES = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
+                  "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
+_SDPA_DEFAULTS = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+                  "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                  "math": torch.backends.cuda.math_sdp_enabled()}
+
+
+def select_attention_backend(name, device):
+    """Let scaled_dot_product_attention run only the kernel `name` (sdpa_backend), or torch's own choice ("auto").
+    Why a switch: torch picks per version (on an H100, torch 2.11 picks cuDNN's kernel, 2.5 FlashAttention-2,
+    1.65x slower there); a run on an older torch can ask for the faster one."""
+    if name in ("cudnn", "efficient") and device.type != "cuda":
+        raise UserError(f"--sdpa_backend {name} is a CUDA kernel; on the CPU use auto, flash or math")
+    for backend, switch in _SDPA_SWITCHES.items():
+        switch(_SDPA_DEFAULTS[backend] if name == "auto" else backend == name)
+
+
 def start_run(args, params, layout):
     """Flags into the config (batch sizes by the "dp" group), the device, the run directory
     <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
@@ -88,6 +106,7 @@ def start_run(args, params, layout):
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
     device = comm.get_device()
+    select_attention_backend(params.sdpa_backend, device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = params.cudnn_benchmark
     else:
