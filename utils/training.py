@@ -75,7 +75,8 @@ def _make_run_dir(exp_dir):
 
 # each attention kernel's switch and its setting as torch starts (what "auto" puts back)
 _SDPA_SWITCHES = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
-                  "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
+                  "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+                  "math": torch.backends.cuda.enable_math_sdp}
 _SDPA_DEFAULTS = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                   "math": torch.backends.cuda.math_sdp_enabled()}
