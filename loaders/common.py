@@ -144,20 +144,27 @@ def shared_tensor(shape):
 
 
 class RingBatchSampler:
-    """The sampler's indices in batches, each with the ring slot to read it into: (slot, indices). Runs in the
-    training process; the batch count goes on across epochs and passes, so slots follow one another."""
+    """The sampler's batches as a stream, each with the ring slot to read it into: (slot, indices). Runs in the
+    training process (the DataLoader takes the next request from it). It starts at `start` = (epoch, steps to skip)
+    and, for training, goes on into the next epochs (its own copy of the sampler reshuffled per epoch), so the
+    workers read the next epoch's first batches while this one's last run; validation repeats its one order. The
+    batch count goes on across epochs and restarts, so slots follow one another."""
 
-    def __init__(self, sampler, batch_size, drop_last, slots):
-        self.batches = BatchSampler(sampler, batch_size, drop_last)
-        self.slots, self.count = slots, 0
+    def __init__(self, sampler, batch_size, train, slots):
+        self.sampler, self.batch_size, self.train = sampler, batch_size, train
+        self.slots, self.count, self.start = slots, 0, (0, 0)
 
     def __len__(self):
-        return len(self.batches)
+        return len(BatchSampler(self.sampler, self.batch_size, self.train))
 
     def __iter__(self):
-        for indices in self.batches:
-            slot, self.count = self.count % self.slots, self.count + 1
-            yield slot, indices
+        sampler, (epoch, skip) = copy.copy(self.sampler), self.start
+        while True:
+            sampler.set_epoch(epoch, skip=skip * self.batch_size)
+            for indices in BatchSampler(sampler, self.batch_size, drop_last=self.train):
+                slot, self.count = self.count % self.slots, self.count + 1
+                yield slot, indices
+            epoch, skip = epoch + self.train, 0
 
 
 class RingReader(Dataset):
@@ -204,35 +211,87 @@ def read_first_batch(dataset, sampler, batch_size):
 
 
 class TorchLoader:
-    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses. With a BatchRing
-    (workers reading whole batches) it yields views of the ring: a batch stays valid while the next one is taken,
-    not beyond (clone() to keep one longer)."""
+    """A DataLoader over a ResumableSampler, seen through the interface the training loop uses.
+
+    With a BatchRing (workers reading whole batches) the workers' requests form one stream across epochs
+    (RingBatchSampler): a pass goes on where the last one ended when set_epoch asks for that position (the next
+    epoch from its start, a validation pass from its start), so the workers never stop reading at an epoch boundary;
+    any other position (a resume, a pass left early) starts the stream there. On a CPU it yields views of the ring:
+    a batch stays valid while the next one is taken, not beyond (clone() to keep one longer). On a GPU it yields
+    the batches on the GPU, each copied from the (page-locked) ring on a copy stream while the step before it
+    computes (see `_on_device`)."""
 
     def __init__(self, dataset, sampler, loader, batch_size, ring=None):
         self.dataset, self.sampler, self.loader = dataset, sampler, loader
         self.batch_size, self.ring = batch_size, ring
+        self.epoch, self.skip = 0, 0
+        self.batches, self.position = None, None  # the stream of the workers' batches, and its next (epoch, step)
+        self.copy_stream, self.copied = None, collections.deque()  # GPU: the copies' stream, an event per copy
 
     def __iter__(self):
         if self.ring is None:
             yield from self.loader
             return
-        if self.ring.pinned:  # copies of the last pass's batches, which this pass's first requests may overwrite
-            torch.cuda.synchronize()
-        batches = iter(self.loader)  # the first pass starts the (persistent) workers: forked before any pinning
-        pinned = torch.cuda.is_available() and self.ring.pin()
-        copied = collections.deque()  # per batch handed out: an event after its copy to the device was queued
-        while True:
-            # the next request reuses the slot of the batch before last: its copy must have finished
-            while len(copied) > 1:
-                copied.popleft().synchronize()
-            try:
-                slot, rows = next(batches)
-            except StopIteration:
-                return
+        if self.batches is None or self.position != (self.epoch, self.skip):
+            self._wait_for_copies()  # the new stream's first requests may overwrite slots still being copied
+            self.loader.batch_sampler.start = (self.epoch, self.skip)
+            self.batches = iter(self.loader)  # the first time starts the (persistent) workers: forked before pinning
+            self.position = (self.epoch, self.skip)
+        host = self._host_pass(len(self) - self.skip)
+        if torch.cuda.is_available() and self.ring.pin():
+            yield from self._on_device(host)
+        else:
+            yield from host
+
+    def _host_pass(self, steps):
+        """`steps` batches of the stream, as views of the ring."""
+        for _ in range(steps):
+            # the next request reuses the slot of the batch before last: its copy to the GPU must have finished
+            while len(self.copied) > 1:
+                self.copied.popleft().synchronize()
+            slot, rows = next(self.batches)
+            epoch, step = self.position
+            train = self.loader.batch_sampler.train  # training goes on into the next epoch
+            self.position = (epoch + train, 0) if step + 1 == len(self) else (epoch, step + 1)
             yield self.ring.views(slot, rows)
-            if pinned:  # the caller asks for the next batch: it has queued this one's copy on its stream
-                copied.append(torch.cuda.Event())
-                copied[-1].record()
+
+    def _on_device(self, host):
+        """The batches of `host` on the GPU. The copy of batch n+1 is queued on a copy stream when the loop asks for
+        batch n, so it runs while step n computes; the loop's stream waits for a batch's copy by event, and the copy
+        stream's events tell when a ring slot is free again (no device-wide synchronisation). Before queuing the
+        copy of batch n+1 the host waits until the GPU has finished step n-2, so the caching allocator can reuse
+        that batch's memory: one batch more on the GPU than when the loop copied each batch itself."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device)
+        compute = torch.cuda.current_stream(device)
+        steps_done = collections.deque()  # an event per step the loop queued, recorded when it asked for more
+
+        def copy_next():
+            batch = next(host, None)
+            if batch is None:
+                return None
+            while len(steps_done) > 1:
+                steps_done.popleft().synchronize()
+            with torch.cuda.stream(self.copy_stream):
+                on_gpu = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
+            self.copied.append(torch.cuda.Event())
+            self.copied[-1].record(self.copy_stream)
+            return on_gpu, self.copied[-1]
+
+        following = copy_next()
+        while following is not None:
+            (batch, copied), following = following, copy_next()
+            compute.wait_event(copied)
+            for tensor in batch:
+                tensor.record_stream(compute)  # made on the copy stream, used (and freed) on the loop's
+            yield batch
+            steps_done.append(torch.cuda.Event())
+            steps_done[-1].record(compute)
+
+    def _wait_for_copies(self):
+        while self.copied:
+            self.copied.popleft().synchronize()
 
     def __len__(self):
         """Steps in a whole epoch (also right after set_epoch(epoch, skip))."""
@@ -240,7 +299,9 @@ class TorchLoader:
 
     def set_epoch(self, epoch, skip=0):
         """Next iteration gives the batches of `epoch` (its shuffle order), leaving out its first `skip` steps."""
-        self.sampler.set_epoch(epoch, skip=skip * self.batch_size)
+        self.epoch, self.skip = epoch, skip
+        if self.ring is None:
+            self.sampler.set_epoch(epoch, skip=skip * self.batch_size)
 
     @property
     def sample_shape(self):

@@ -68,6 +68,30 @@ def test_two_workers_give_the_batches_of_none_through_the_ring(data):  # noqa: F
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+def test_the_workers_read_on_into_the_next_epoch(data, monkeypatch):  # noqa: F811
+    """At an epoch boundary the workers' stream goes on: the next epoch's first batch is already in the ring when
+    the loop asks for it, and the workers were started once for epochs in sequence. A resume elsewhere (or a pass
+    left early) restarts the stream (the count can fail)."""
+    expected = {epoch: pass_of(era5_loader(data, 0), epoch) for epoch in (0, 1)}
+    restarts = []
+    workers_iter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+    reset = workers_iter._reset
+    monkeypatch.setattr(workers_iter, "_reset", lambda self, loader, first_iter=False:
+                        restarts.append(first_iter) or reset(self, loader, first_iter))
+    loader = era5_loader(data, 2)
+    assert_same(pass_of(loader, 0), expected[0])
+    time.sleep(1.0)  # the workers fill the slots they were asked for
+    next_slot = loader.loader.batch_sampler.count - 2 * loaders.common.PREFETCH  # the next batch handed out
+    early = [tensor.clone() for tensor in loader.ring.views(next_slot % loader.ring.slots, 2)]
+    assert torch.equal(early[0], expected[1][0][0]) and torch.equal(early[1], expected[1][0][1])
+    assert_same(pass_of(loader, 1), expected[1])
+    assert restarts == [True]  # the first iter() starts the workers; no restart since
+    pass_of(loader, 1, skip=3)
+    assert restarts == [True, False]
+
+
+@pytest.mark.compat
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("spare", [2, 0])
 def test_a_batch_stays_untouched_while_the_next_is_taken(data, monkeypatch, spare):  # noqa: F811
     """With the ring's two spare slots, batch j is as it was handed out after batch j+1 was taken and the workers
@@ -114,15 +138,19 @@ def test_worker_speedups_are_taken_round_by_round():
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_ring_is_page_locked_and_a_slot_waits_for_its_copy(data):  # noqa: F811
-    """Each copy to the GPU is queued behind a long kernel, so it runs well after the loop has asked for more
-    batches: the slot must not be refilled before its copy ran (the loader waits on the copy's event)."""
-    expected = pass_of(era5_loader(data, 0), 0)
+    """The loader yields batches on the GPU, copied on its copy stream from the page-locked ring while the loop's
+    stream is busy (a long kernel per step): over epochs in sequence and a resume, each batch is the one the loop
+    would have read without workers (a slot refilled before its copy ran, or a batch used before its copy ended,
+    would show)."""
+    expected = {epoch: pass_of(era5_loader(data, 0), epoch) for epoch in (0, 1)}
     loader = era5_loader(data, 2)
-    loader.set_epoch(0)
-    got = []
-    for inp, tar in loader:
-        assert inp.is_pinned() and loader.ring.pinned
-        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time ahead of the copies
-        got.append((inp.to("cuda", non_blocking=True), tar.to("cuda", non_blocking=True)))
-    torch.cuda.synchronize()
-    assert_same([(inp.cpu(), tar.cpu()) for inp, tar in got], expected)
+    for epoch, skip in ((0, 0), (1, 0), (1, 4)):
+        loader.set_epoch(epoch, skip)
+        got = []
+        for inp, tar in loader:
+            assert inp.is_cuda and loader.ring.pinned
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time ahead of the copies
+            got.append((inp.clone(), tar.clone()))  # on the loop's stream, after the sleep
+        torch.cuda.synchronize()
+        assert loader.copy_stream is not None and loader.copy_stream != torch.cuda.current_stream()
+        assert_same([(inp.cpu(), tar.cpu()) for inp, tar in got], expected[epoch][skip:])
