@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph plan example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph plan example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,10 @@ test-compat: install-compat
 # on a GPU node: every CUDA-only test and a short benchmark of each stage, one JSON (fails loudly on any error)
 gpu-check: install
 	$(PY) -m benchmarks.gpu_check --out bench_results/gpu/gpu_check.json
+
+# on a GPU node: the tutorial's single-GPU table (ViT short step by step, UNet, ResNet) with its targets, one JSON
+gpu-table: install
+	$(PY) -m benchmarks.gpu_table --out bench_results/gpu/single_gpu_table.json
 
 # benchmarks write JSON under bench_results/ (numbers quoted in README and docs/)
 bench: bench-step bench-train bench-unet bench-resnet bench-mp

@@ -76,3 +76,46 @@ def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
     for stage in report["stages"].values():
         assert stage["ok"] and stage["FULL"]["mean"] > 0 and 0 < stage["FULL"]["mfu"] <= 1
         assert stage["peak_memory_gb"] > 0
+
+
+@pytest.mark.multiprocess
+def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monkeypatch, capsys):
+    """`python -m benchmarks.gpu_table --tiny --allow-cpu` on two rows: the baseline runs and is tabled; CUDA
+    Graphs, which need a GPU, are kept with the reason; targets whose row did not run are unknown, not met."""
+    from benchmarks import gpu_table
+    monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "table.json"
+    assert gpu_table.main(["--tiny", "--allow-cpu", "--rows", "vit_baseline,vit_graphs", "--work",
+                           str(tmp_path / "work"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"]["vit_baseline"]["FULL"]["mean"] > 0 and report["date"] and report["device"]
+    assert report["rows"]["vit_graphs"] == {"ok": False, "skipped": "CUDA Graphs need a CUDA GPU"}
+    assert report["targets"]["eager_samples_per_s"]["met"] is None
+    printed = capsys.readouterr().out
+    assert "| ViT short: baseline (fp32, 0 workers) |" in printed and "not run: CUDA Graphs need a CUDA GPU" in printed
+
+
+def test_gpu_table_targets_say_met_or_missed():
+    """The targets read the right row and compare the right way (a number below the floor is missed)."""
+    from benchmarks.gpu_table import check_targets
+
+    def row(full, synthetic, memory):
+        return {"ok": True, "FULL": {"mean": full}, "SYNTHETIC": {"mean": synthetic}, "peak_memory_gb": memory}
+
+    checked = check_targets({"vit_bf16": row(136.0, 140.0, 14.0), "vit_fused_compile": row(160.0, 170.0, 13.0)})
+    assert checked["eager_samples_per_s"] == {"row": "vit_bf16", "what": "FULL samples/s", "at_least": 135.0,
+                                              "at_most": None, "value": 136.0, "met": True}
+    assert checked["loader_fraction_eager"]["met"] is True  # 136 / 140 = 0.971
+    assert checked["fused_compile_samples_per_s"]["met"] is False
+    assert checked["loader_fraction_fused_compile"]["met"] is False  # 160 / 170 = 0.941
+    assert checked["peak_memory_gb"]["met"] is True
+    assert check_targets({"vit_bf16": row(136.0, 140.0, 14.5)})["peak_memory_gb"]["met"] is False
+
+
+def test_gpu_table_refuses_an_unknown_row_and_a_machine_without_cuda(capsys, monkeypatch):
+    from benchmarks import gpu_table
+    assert gpu_table.main(["--rows", "vit_bf17"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown row vit_bf17; choose among: vit_baseline")
+    monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
+    assert gpu_table.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: make gpu-table measures a GPU")
