@@ -7,7 +7,8 @@ Rows (train.py's --enable_benchy on sample data at the real sizes; FULL = loader
 step on one batch kept on the GPU):
   ViT `short`: baseline (fp32, no loader workers), 8 loader workers, DALI (where it imports), bf16 (8 workers),
   bf16 + fused Adam + torch.compile, bf16 + fused Adam under CUDA Graphs (train_graph.py);
-  UNet `short` and `short` with fp16 + fused Adam; ResNet `bs128` and `bs256-amp-nhwc-extra-opts`.
+  UNet `short` and `short` with fp16 + fused Adam; ResNet `bs128` and `bs256-amp-nhwc-extra-opts`;
+  then each lever of the ViT step on its own (benchmarks/bench_levers.py, into the same JSON).
 A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason. Targets (ViT
 `short` bf16, 8 workers, FULL): eager >= 135 samples/s, fused + compile >= 165, the run with the loader >= 95% of
 the same step without it, peak memory <= 14.2 GB; each with its measured value and whether it was met. About 6
@@ -15,13 +16,15 @@ minutes on one H100 (an estimate until it has run there). `--tiny --allow-cpu` r
 configs (a check of this script on any machine).
 """
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 
 import torch
 
-from benchmarks.common import DATA_SIZES, device_name, make_data, run_stage
+from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, run_stage
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -89,6 +92,20 @@ def check_targets(rows):
     return checked
 
 
+def run_levers(era5_dir, work, tiny):
+    """benchmarks/bench_levers.py in its own process: each lever of the ViT step on its own; its JSON, or the error."""
+    out = os.path.join(work, "levers.json")
+    command = [sys.executable, "-m", "benchmarks.bench_levers", "--data_dir", era5_dir, "--out", out,
+               *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else [])]
+    log(f"levers: {' '.join(command[1:])}")
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    print(result.stdout[-3000:], flush=True)
+    if result.returncode != 0:
+        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"]}
+    with open(out) as f:
+        return {"ok": True, **json.load(f)}
+
+
 def table(report):
     """The rows as README's Markdown table."""
     lines = ["| run | samples/s (with the loader) | step alone (SYNTHETIC) | MFU | peak memory |",
@@ -110,6 +127,7 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run (default: all)")
     parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
+    parser.add_argument("--skip-levers", action="store_true", help="the table's rows only")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.rows.split(",")) - set(ROWS))
     if unknown:
@@ -140,12 +158,13 @@ def main(argv=None):
                 f"peak memory {result['peak_memory_gb']:.2f} GB ({result['seconds']:.0f} s)")
         else:
             log(f"{label} FAILED: {result['error'][0]}")
+    report["levers"] = {"skipped": "--skip-levers"} if args.skip_levers else run_levers(data["era5"], work, args.tiny)
     report["targets"] = check_targets(report["rows"])
     report["table"] = table(report)
     write_json(args.out, report)
     print(report["table"], flush=True)
     log(f"report written to {args.out}")
-    failed = [name for name, result in report["rows"].items() if "error" in result]
+    failed = [name for name, result in {**report["rows"], "levers": report["levers"]}.items() if "error" in result]
     if failed:
         print(f"error: gpu-table: {', '.join(failed)} failed (their log tails are in {args.out})", file=sys.stderr)
         return 1

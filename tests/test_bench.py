@@ -85,7 +85,7 @@ def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monke
     from benchmarks import gpu_table
     monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
     out = tmp_path / "table.json"
-    assert gpu_table.main(["--tiny", "--allow-cpu", "--rows", "vit_baseline,vit_graphs", "--work",
+    assert gpu_table.main(["--tiny", "--allow-cpu", "--skip-levers", "--rows", "vit_baseline,vit_graphs", "--work",
                            str(tmp_path / "work"), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["rows"]["vit_baseline"]["FULL"]["mean"] > 0 and report["date"] and report["device"]
@@ -119,3 +119,26 @@ def test_gpu_table_refuses_an_unknown_row_and_a_machine_without_cuda(capsys, mon
     monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
     assert gpu_table.main([]) == 2
     assert capsys.readouterr().err.startswith("error: make gpu-table measures a GPU")
+
+
+@pytest.mark.multiprocess
+def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp_path, monkeypatch):
+    """bench_levers on the tiny ViT on the CPU: the step alone and with the loader as the code is now and with the
+    tokens as a transposed view, torch's attention choice and flash; the CUDA-only kernels said not run; every
+    patched method restored afterwards."""
+    from benchmarks import bench_levers
+    from loaders.common import TorchLoader
+    from networks.vit import PatchEmbed
+    from tests.conftest import REPO_ROOT
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(bench_levers.torch.cuda, "is_available", lambda: False)
+    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch)
+    out = tmp_path / "levers.json"
+    assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "2",
+                              "--warmup", "1", "--workers", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["step_alone_ms"]) == set(report["with_loader_ms"]) == {"now", "tokens_transposed"}
+    assert all(value > 0 for value in [*report["step_alone_ms"].values(), *report["with_loader_ms"].values()])
+    assert report["attention_ms"]["auto"] > 0 and report["attention_ms"]["flash"] > 0
+    assert report["attention_ms"]["cudnn"].startswith("not run: --sdpa_backend cudnn is a CUDA kernel")
+    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch) == originals
