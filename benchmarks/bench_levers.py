@@ -40,11 +40,11 @@ def transposed_tokens(self, x):
     return self.proj(x).flatten(2).transpose(1, 2)
 
 
-def copy_on_the_compute_stream(self, host):
+def copy_on_the_compute_stream(self, host, device):
     """TorchLoader._on_device as it was: each batch copied on the loop's stream when the loop asks for it (after the
     step before it), the slot freed by an event on that stream."""
     for batch in host:
-        on_gpu = tuple(tensor.to("cuda", non_blocking=True) for tensor in batch)
+        on_gpu = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
         self.copied.append(torch.cuda.Event())
         self.copied[-1].record()
         yield on_gpu

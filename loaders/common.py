@@ -239,7 +239,7 @@ class TorchLoader:
             self.position = (self.epoch, self.skip)
         host = self._host_pass(len(self) - self.skip)
         if torch.cuda.is_available() and self.ring.pin():
-            yield from self._on_device(host)
+            yield from self._on_device(host, torch.device("cuda", torch.cuda.current_device()))
         else:
             yield from host
 
@@ -255,13 +255,12 @@ class TorchLoader:
             self.position = (epoch + train, 0) if step + 1 == len(self) else (epoch, step + 1)
             yield self.ring.views(slot, rows)
 
-    def _on_device(self, host):
+    def _on_device(self, host, device):
         """The batches of `host` on the GPU. The copy of batch n+1 is queued on a copy stream when the loop asks for
         batch n, so it runs while step n computes; the loop's stream waits for a batch's copy by event, and the copy
         stream's events tell when a ring slot is free again (no device-wide synchronisation). Before queuing the
         copy of batch n+1 the host waits until the GPU has finished step n-2, so the caching allocator can reuse
         that batch's memory: one batch more on the GPU than when the loop copied each batch itself."""
-        device = torch.device("cuda", torch.cuda.current_device())
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(device)
         compute = torch.cuda.current_stream(device)

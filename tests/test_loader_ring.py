@@ -2,6 +2,7 @@
 TorchLoader): the same batches bit for bit as no workers, the ring really used, a batch untouched while the next is
 taken (with a twin: no spare slots), a /dev/shm too small in one line, and the benchmark's worker ratios.
 Failures point to loaders/common.py, or to read_batch_into in loaders/era5.py and loaders/cosmo.py."""
+import contextlib
 import json
 import time
 
@@ -154,3 +155,92 @@ def test_on_a_gpu_the_ring_is_page_locked_and_a_slot_waits_for_its_copy(data):  
         torch.cuda.synchronize()
         assert loader.copy_stream is not None and loader.copy_stream != torch.cuda.current_stream()
         assert_same([(inp.cpu(), tar.cpu()) for inp, tar in got], expected[epoch][skip:])
+
+
+class StreamLog:
+    """Stand-ins for torch.cuda's streams and events that write down, in order, what the loader asks of them."""
+
+    def __init__(self, monkeypatch):
+        self.entries, self.counts = [], {"copy": 0, "step": 0}
+        log = self
+
+        class Stream:
+            def wait_event(self, event):
+                log.entries.append(("loop stream waits for", event.name))
+
+        class Event:
+            name = None
+
+            def record(self, stream=None):
+                kind = "copy" if stream is log.copy_stream else "step"
+                self.name = (kind, log.counts[kind])
+                log.counts[kind] += 1
+
+            def synchronize(self):
+                log.entries.append(("host waits for", self.name))
+
+        self.compute = Stream()
+        self.copy_stream = None
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: setattr(self, "copy_stream", Stream())
+                            or self.copy_stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.compute)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None, raising=False)
+
+    def position(self, entry):
+        return self.entries.index(entry)
+
+
+def run_on_logged_streams(loader, on_device, log):
+    """One epoch through `_host_pass` and `on_device` (the tensors stay on the CPU), logging each host read and each
+    batch handed to the loop; returns the batches."""
+    loader.set_epoch(0)
+    next(iter(loader), None)  # start the workers
+    loader.set_epoch(0)
+    loader.batches, loader.position = iter(loader.loader), (0, 0)
+    loader.loader.batch_sampler.start = (0, 0)
+
+    def logged_host():
+        for n, batch in enumerate(loader._host_pass(len(loader))):
+            log.entries.append(("host read", n))
+            yield batch
+
+    got = []
+    for n, batch in enumerate(on_device(loader, logged_host(), torch.device("cpu"))):
+        log.entries.append(("loop gets", n))
+        got.append(tuple(tensor.clone() for tensor in batch))
+    return got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("copy", ["on the copy stream", "on the loop's stream (as before)"])
+def test_the_copy_of_the_next_batch_is_queued_before_the_step_and_waited_for_by_events(data, monkeypatch, copy):  # noqa: F811
+    """The GPU path's order of operations, with streams and events written down instead of run: for every batch n,
+    the next batch is read and its copy queued before batch n goes to the loop (so it overlaps step n); the loop's
+    stream waits for batch n's copy event; the host waits for the copy of batch n-1 before the request that
+    reuses its ring slot, and for step n-2 before queuing batch n+1's copy (no more than two batches ahead on the
+    GPU); no device-wide sync. Every batch is the 0-worker one. The twin (the copy on the loop's stream after
+    each step, benchmarks/bench_levers.py's "before") fails the overlap."""
+    from benchmarks.bench_levers import copy_on_the_compute_stream
+    expected = pass_of(era5_loader(data, 0), 0)
+    log = StreamLog(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.entries.append(("device-wide sync",)))
+    loader = era5_loader(data, 2)
+    on_device = loaders.common.TorchLoader._on_device if copy == "on the copy stream" else copy_on_the_compute_stream
+    got = run_on_logged_streams(loader, on_device, log)
+    assert_same(got, expected)
+    steps = len(expected)
+    overlapped = all(log.position(("host read", n + 1)) < log.position(("loop gets", n)) for n in range(steps - 1))
+    assert overlapped == (copy == "on the copy stream")
+    if copy != "on the copy stream":
+        return
+    for n in range(steps):
+        assert log.position(("loop stream waits for", ("copy", n))) < log.position(("loop gets", n))
+    for n in range(2, steps):
+        assert log.position(("host waits for", ("copy", n - 2))) < log.position(("host read", n))
+    for n in range(1, steps - 1):  # batch n+1's copy is queued (its host read logged) after step n-2 is done
+        if n >= 2:
+            assert log.position(("host waits for", ("step", n - 2))) < log.position(("loop gets", n))
+        assert ("host waits for", ("step", n - 1)) not in log.entries[:log.position(("loop gets", n))]
+    assert ("device-wide sync",) not in log.entries
