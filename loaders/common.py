@@ -256,32 +256,24 @@ class TorchLoader:
             yield self.ring.views(slot, rows)
 
     def _on_device(self, host, device):
-        """The batches of `host` on the GPU. The copy of batch n+1 is queued on a copy stream when the loop asks for
-        batch n, so it runs while step n computes; the loop's stream waits for a batch's copy by event, and the copy
-        stream's events tell when a ring slot is free again (no device-wide synchronisation). Before queuing the
-        copy of batch n+1 the host waits until the GPU has finished step n-2, so the caching allocator can reuse
-        that batch's memory: one batch more on the GPU than when the loop copied each batch itself."""
+        """The batches of `host` on the GPU, each copied on the loader's copy stream when the loop asks for it. The
+        loop asks for batch n+1 as soon as it has queued step n, well before the GPU has run it, so the copy runs
+        while step n computes; the loop's stream waits for the copy by its event, and that event also tells when
+        the ring slot is free again (no device-wide synchronisation). Before the copy the host waits until the GPU
+        has finished step n-1: the loop stays at most one step ahead of the GPU, and the caching allocator can
+        reuse batch n-1's memory, so no more batches are on the GPU than when the loop copied each one itself."""
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(device)
         compute = torch.cuda.current_stream(device)
         steps_done = collections.deque()  # an event per step the loop queued, recorded when it asked for more
-
-        def copy_next():
-            batch = next(host, None)
-            if batch is None:
-                return None
+        for batch in host:
             while len(steps_done) > 1:
                 steps_done.popleft().synchronize()
             with torch.cuda.stream(self.copy_stream):
-                on_gpu = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
+                batch = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
             self.copied.append(torch.cuda.Event())
             self.copied[-1].record(self.copy_stream)
-            return on_gpu, self.copied[-1]
-
-        following = copy_next()
-        while following is not None:
-            (batch, copied), following = following, copy_next()
-            compute.wait_event(copied)
+            compute.wait_event(self.copied[-1])
             for tensor in batch:
                 tensor.record_stream(compute)  # made on the copy stream, used (and freed) on the loop's
             yield batch
