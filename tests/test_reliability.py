@@ -274,7 +274,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
         f.truncate(os.path.getsize(newest) // 2)
     capsys.readouterr()
     train.main(tiny(small_era5, tmp_path, *flags))
-    assert re.search(r"checkpoint '.*ckpt\.pt' cannot be read \(.*\): it is damaged or incomplete .*; resuming "
+    assert re.search(r"checkpoint '.*ckpt\.pt' cannot be read \(.*\): it is damaged, incomplete .*; resuming "
                      r"from the previous checkpoint '.*ckpt_previous\.pt' \(iteration 4\)", capsys.readouterr().err)
     resumed = torch.load(newest, weights_only=False)
     assert resumed["iteration"] == 12
@@ -285,7 +285,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
         with open(path, "r+b") as f:
             f.write(bytes(os.path.getsize(path)))  # zeroed
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "16"),
-               r"it is damaged or incomplete .*, and the previous one, '.*ckpt_previous\.pt', is damaged or incomplete "
+               r"it is damaged, incomplete .*, and the previous one, '.*ckpt_previous\.pt', is damaged or incomplete "
                r"too; start a new --run_num")
 
 

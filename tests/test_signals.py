@@ -97,7 +97,7 @@ def test_ctrl_c_and_slurms_warning_signal_stop_the_same_way(era5_dir, tmp_path, 
 def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_dir, tmp_path):
     """Twin: with the handlers switched off (the loop never learns of the signal) SIGTERM ends the process at once:
     no checkpoint, no line, and not the requeue exit code."""
-    code = ("import sys, utils.signals as s; s.install = lambda: None; import train; "
+    code = ("import sys, utils.signals as s; s.install = s.record_from_start = lambda: None; import train; "
             "sys.argv[0] = 'train.py'; train.main(sys.argv[1:])")
     argv = ["-c", code, "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--checkpoint_interval",
             "0", "--expdir", str(tmp_path)]
@@ -125,21 +125,47 @@ def test_under_torchrun_at_tp2_both_ranks_stop_after_the_same_step_and_resume_ex
     assert_same_run(run_dir, os.path.join(str(tmp_path / "whole"), "tiny", "2MP", "00"))
 
 
-@pytest.mark.parametrize("unpickled", [True, False])
-def test_a_dali_worker_ignores_slurms_warning_signal(unpickled):
-    """DALI starts its workers afresh (spawn), without the training process's handlers, and Slurm's warning signal
-    reaches every process of the job: a worker that unpickled its sample source ignores SIGUSR1 and SIGINT and
-    lives on (the main process stops them). Twin: a process that did not, dies of SIGUSR1."""
+def _dali_like_worker(source, unpickle, signalled):
+    """A process started as DALI starts its workers (spawn); with `unpickle` it unpickles its sample source first.
+    It sends itself SIGUSR1, SIGINT and SIGTERM (a sender other than its parent, as Slurm is), then waits."""
+    import pickle
+    if unpickle:
+        pickle.loads(source)
+    for signum in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+        os.kill(os.getpid(), signum)
+    signalled.set()
+    time.sleep(60)
+
+
+def test_a_dali_worker_ignores_every_stop_signal_but_its_loaders_sigterm():
+    """Slurm signals every process of the step, DALI's spawned workers too, and they have none of the training
+    process's handlers: a worker started with the signals blocked (signals.workers_start_blocked, as
+    PipelineLoader._restart starts them) that unpickled its sample source lives through SIGUSR1, SIGINT and SIGTERM
+    from anyone else, and ends on its parent's SIGTERM (DALI closing a worker that did not exit). Twin: a process
+    started plainly, without the source, dies of the first signal."""
+    import multiprocessing
     import pickle
 
     from loaders.common import SamplerSource
+    from utils import signals
     source = pickle.dumps(SamplerSource([0, 1, 2, 3], 2, 2, 0, 0))
-    code = ("import os, pickle, signal, sys; from loaders.common import SamplerSource; "
-            f"{'pickle.loads(sys.stdin.buffer.read()); ' if unpickled else ''}"
-            "os.kill(os.getpid(), signal.SIGUSR1); os.kill(os.getpid(), signal.SIGINT); print('alive')")
-    result = subprocess.run([sys.executable, "-c", code], input=source, capture_output=True, cwd=REPO_ROOT,
-                            timeout=60)
-    if unpickled:
-        assert result.returncode == 0 and result.stdout.strip() == b"alive", result.stderr[-2000:]
-    else:
-        assert result.returncode == -signal.SIGUSR1
+    context = multiprocessing.get_context("spawn")
+    worker_signalled, twin_signalled = context.Event(), context.Event()
+    with signals.workers_start_blocked():
+        worker = context.Process(target=_dali_like_worker, args=(source, True, worker_signalled))
+        worker.start()
+    twin = context.Process(target=_dali_like_worker, args=(source, False, twin_signalled))
+    twin.start()
+    try:
+        assert worker_signalled.wait(60)
+        twin.join(60)
+        assert twin.exitcode == -signal.SIGUSR1
+        time.sleep(0.2)
+        assert worker.is_alive()
+        worker.terminate()  # SIGTERM from its parent
+        worker.join(10)
+        assert worker.exitcode == 0
+    finally:
+        for process in (worker, twin):
+            if process.is_alive():
+                process.kill()
