@@ -305,6 +305,23 @@ def test_a_torch_file_not_written_by_train_py_is_named_as_such(small_era5, tmp_p
                r"'.*weights\.pt' is not a checkpoint written by train\.py")
 
 
+@pytest.mark.parametrize("content", ["text", "torch_file"])
+def test_a_run_directorys_ckpt_pt_that_is_no_checkpoint_says_what_to_do(small_era5, tmp_path, capsys, content):
+    """checkpoints/ckpt.pt is not a checkpoint (any text; a torch file of something else) and there is no previous
+    one: one line saying so and what to do here (move it away, or a new --run_num), not --resume, which the run
+    directory's own checkpoint would win over. Twin: the foreign file given to --resume (above) says --resume."""
+    path = os.path.join(run_dir_of(tmp_path), "checkpoints", "ckpt.pt")
+    os.makedirs(os.path.dirname(path))
+    if content == "text":
+        with open(path, "w") as f:
+            f.write("not a checkpoint\n")
+    else:
+        torch.save({"weights": torch.zeros(3)}, path)
+    line = fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"), r"ckpt\.pt.*move it away to train "
+                      r"from the beginning here, or start a new --run_num")
+    assert "--resume" not in line
+
+
 def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tmp_path, capsys):
     """nan in the validation data: one line naming the iteration, nothing saved over the last good checkpoint.
     Twin: the same run on clean data finishes (the check is not always on)."""
