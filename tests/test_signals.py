@@ -240,6 +240,25 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_exits_75_and_r
     assert_same_run(run_dir, os.path.join(str(tmp_path / "whole"), "tiny", "1GPU", "00"))
 
 
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT])
+def test_slurms_warning_and_ctrl_c_to_every_process_with_loader_workers_stop_with_a_checkpoint(era5_dir, tmp_path,
+                                                                                             signum):
+    """SIGUSR1 (`--signal=USR1@180`, `scancel -s USR1`) and Ctrl-C in a terminal (the whole foreground group) reach
+    the loader workers too: they live on, and the run stops with a checkpoint and exit 75."""
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--num_data_workers", "2",
+            "--checkpoint_interval", "0", "--expdir", str(tmp_path)]
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(argv, log_path)
+    wait_until(process, log_path, lambda: len(forked_below(process.pid, 1)) == 2, "two loader workers")
+    os.killpg(process.pid, signum)
+    assert process.wait(timeout=300) == 75, log_path.read_text()[-3000:]
+    output = log_path.read_text()
+    assert "Traceback" not in output
+    iteration = stopped_at(output, signal.Signals(signum).name)
+    checkpoint = os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt")
+    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+
+
 @pytest.mark.compat  # also on the container's torch 2.5
 def test_sigterm_to_torchrun_its_ranks_and_their_workers_stops_every_rank_with_a_checkpoint(era5_dir, tmp_path):
     """torchrun with DDP, one loader worker per rank, and SIGTERM to all five processes (srun signals every rank's
