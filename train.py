@@ -9,6 +9,9 @@
 The run directory is <expdir>/<config>/<N>GPU/<run_num>/ with out.log, logs/ (TensorBoard) and
 checkpoints/ckpt.pt; starting again in the same directory resumes from that checkpoint.
 """
+import utils.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
+
+# isort: split
 import logging
 
 import torch

@@ -10,6 +10,9 @@ replayed every iteration (utils/cuda_graphs.py). Needs an NVIDIA GPU; the ViT an
 with --enable_fused).
 The run directory and checkpoints are train.py's, so a run resumes in either script.
 """
+import utils.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
+
+# isort: split
 import logging
 
 import torch

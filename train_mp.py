@@ -8,6 +8,9 @@ Ranks form a tp x cp x dp grid in the order --parallel_order (first name fastest
 <expdir>/<config>/<tp*cp>MP/<run_num>/; checkpoints hold the serial model's state (gathered on save, sharded
 on load), so they resume at any layout and in train.py.
 """
+import utils.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
+
+# isort: split
 import logging
 
 import torch

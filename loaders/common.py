@@ -321,6 +321,7 @@ def torch_loader(params, dataset, train):
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
     common = dict(num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker,
+                  multiprocessing_context=signals.WorkerContext() if workers else None,  # started signal-proof
                   generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
     if workers and hasattr(dataset, "read_batch_into"):
         slots = workers * PREFETCH + SPARE_SLOTS
@@ -344,6 +345,7 @@ def batched_already(batch):
 
 
 def _seed_worker(worker_id):
+    signals.ignore_in_worker()  # Slurm signals every process of a step: the main process decides, and stops us
     np.random.seed(torch.initial_seed() % (2**32 - 1))
     dataset = get_worker_info().dataset
     if isinstance(dataset, RingReader):
@@ -424,7 +426,8 @@ class PipelineLoader:
     def _restart(self):
         """A pipeline whose first epoch is self.epoch, after self.skip steps, and DALI's iterator over it."""
         pipe = self.build_pipeline(self.epoch, self.skip)
-        pipe.build()
+        with signals.workers_start_blocked():  # DALI's parallel sources spawn their workers here
+            pipe.build()
         # training epochs end when the source raises StopIteration (whole batches, drop_last); validation's last
         # batch is padded by the source and trimmed to the rest of the set by the iterator
         size = -1 if self.train else len(self.sampler) - self.skip * self.batch_size

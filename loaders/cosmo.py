@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loaders.common import ResumableSampler, read_whole_batch, torch_loader
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 COSMO_HINT = ("generate sample data with `python -m sample_data cosmo --out data/cosmo` "
               "and pass --data_dir data/cosmo")
@@ -270,7 +270,7 @@ class CosmoDataset(Dataset):
             inp = self._field(INPUT_FIELD)[window].astype(np.float32, copy=False)
             tar = self._field(TARGET_FIELD)[window].astype(np.float32, copy=False)
         except OSError as err:  # damaged after the start-up check
-            raise UserError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it again "
+            raise OneRankError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it again "
                             f"or {COSMO_HINT}") from None
         return inp, tar
 
@@ -316,7 +316,7 @@ class CosmoDataset(Dataset):
                 else:  # converted by numpy, as __getitem__ does
                     np.copyto(window, dataset[selection].astype(np.float32, copy=False))
             except OSError as err:  # damaged after the start-up check
-                raise UserError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it "
+                raise OneRankError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it "
                                 f"again or {COSMO_HINT}") from None
         if not untouched:
             transform_into(out, window, plan, steps)

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loaders.common import read_whole_batch, torch_loader
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 SAMPLE_DATA_HINT = ("generate sample data with `python -m sample_data era5 --out data/era5` "
                     "and pass --data_dir data/era5")
@@ -104,7 +104,7 @@ class ERA5Dataset(Dataset):
                 self.files[year_idx] = h5py.File(self.files_paths[year_idx], "r")["fields"]
             yield self.files[year_idx]
         except OSError as err:  # a file truncated or damaged after the start-up check
-            raise UserError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
+            raise OneRankError(f"HDF5 file '{self.files_paths[year_idx]}' cannot be read at time step {step} ({err}); "
                             "copy it again or regenerate the data") from None
 
     def _read(self, year_idx, step):

@@ -4,6 +4,7 @@ bad files and flags, a full disk, a killed rank under torchrun. Each test fails 
 A failure points to utils/training.py (meter, checkpoints), utils/run_lock.py, utils/rendezvous.py, utils/checkpoint.py,
 utils/YParams.py, utils/cli.py, the data loaders, or train.py's loop.
 """
+import errno
 import gc
 import os
 import re
@@ -23,6 +24,7 @@ import utils.checkpoint
 import utils.flops
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
+from utils.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
@@ -206,10 +208,12 @@ def test_checkpoint_that_does_not_fit_the_config_names_the_parameter(small_era5,
                r"\(1, 32, 48\)")
 
 
-@pytest.mark.parametrize("how", ["oserror", "torch_save"])
+@pytest.mark.parametrize("how", ["oserror", "torch_save", "zip_writer"])
 def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(small_era5, tmp_path, capsys, monkeypatch, how):
-    """A write that fails with ENOSPC: as an OSError, and as torch.save really reports it (a RuntimeError, here from
-    writing into /dev/full). One line naming the folder and its free space; both checkpoints and no temporary."""
+    """A write that fails with ENOSPC: as an OSError, as torch.save reports writing into /dev/full (an OSError on
+    torch 2.5 and 2.14), and as its zip writer reports a real full file system ("unexpected pos", a RuntimeError that
+    says nothing of the disk). One line saying the disk is full, naming the folder and its free space; both
+    checkpoints and no temporary."""
     train.main(tiny(small_era5, tmp_path, "--num_iters", "4", "--checkpoint_interval", "2"))
     checkpoint = os.path.join(run_dir_of(tmp_path), "checkpoints", "ckpt.pt")
     previous = checkpoint.replace("ckpt.pt", "ckpt_previous.pt")
@@ -224,12 +228,16 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(small_era5,
             finally:
                 full.close()
         f.write(b"the first megabytes of a checkpoint")
+        if how == "zip_writer":  # what torch.save says when a real file system fills up (a 1 MB tmpfs, torch 2.14)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(utils.checkpoint.torch, "save", full_disk)
+    # torch's zip writer says only "[enforce fail at inline_container.cc:...] . unexpected pos": named for what it is
+    reason = "the disk is full or over its quota: [^;]+" if how == "zip_writer" else "No space left on device"
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "8", "--checkpoint_interval", "2"),
-               r"writing checkpoint '.*ckpt\.pt' failed \(.+; [0-9.]+ GB free in '.*checkpoints'\); the partial file "
-               r"was removed and the previous checkpoint is kept")
+               r"writing checkpoint '.*ckpt\.pt' failed \(" + reason + r"; [0-9.]+ GB free in '.*checkpoints'\); "
+               r"the partial file was removed and the previous checkpoint is kept")
     assert open(checkpoint, "rb").read() == good and open(previous, "rb").read() == good_previous
     assert not os.path.exists(checkpoint + ".tmp")
 
@@ -274,7 +282,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
         f.truncate(os.path.getsize(newest) // 2)
     capsys.readouterr()
     train.main(tiny(small_era5, tmp_path, *flags))
-    assert re.search(r"checkpoint '.*ckpt\.pt' cannot be read \(.*\): it is damaged or incomplete .*; resuming "
+    assert re.search(r"checkpoint '.*ckpt\.pt' cannot be read \(.*\): it is damaged, incomplete .*; resuming "
                      r"from the previous checkpoint '.*ckpt_previous\.pt' \(iteration 4\)", capsys.readouterr().err)
     resumed = torch.load(newest, weights_only=False)
     assert resumed["iteration"] == 12
@@ -285,7 +293,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
         with open(path, "r+b") as f:
             f.write(bytes(os.path.getsize(path)))  # zeroed
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "16"),
-               r"it is damaged or incomplete .*, and the previous one, '.*ckpt_previous\.pt', is damaged or incomplete "
+               r"it is damaged, incomplete .*, and the previous one, '.*ckpt_previous\.pt', is damaged or incomplete "
                r"too; start a new --run_num")
 
 
@@ -295,6 +303,23 @@ def test_a_torch_file_not_written_by_train_py_is_named_as_such(small_era5, tmp_p
     torch.save({"weights": torch.zeros(3)}, foreign)
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2", "--resume", str(foreign)),
                r"'.*weights\.pt' is not a checkpoint written by train\.py")
+
+
+@pytest.mark.parametrize("content", ["text", "torch_file"])
+def test_a_run_directorys_ckpt_pt_that_is_no_checkpoint_says_what_to_do(small_era5, tmp_path, capsys, content):
+    """checkpoints/ckpt.pt is not a checkpoint (any text; a torch file of something else) and there is no previous
+    one: one line saying so and what to do here (move it away, or a new --run_num), not --resume, which the run
+    directory's own checkpoint would win over. Twin: the foreign file given to --resume (above) says --resume."""
+    path = os.path.join(run_dir_of(tmp_path), "checkpoints", "ckpt.pt")
+    os.makedirs(os.path.dirname(path))
+    if content == "text":
+        with open(path, "w") as f:
+            f.write("not a checkpoint\n")
+    else:
+        torch.save({"weights": torch.zeros(3)}, path)
+    line = fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"), r"ckpt\.pt.*move it away to train "
+                      r"from the beginning here, or start a new --run_num")
+    assert "--resume" not in line
 
 
 def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tmp_path, capsys):
@@ -387,3 +412,36 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     assert final["iteration"] == reference["iteration"] == 160
     for name, weight in reference["model"].items():
         torch.testing.assert_close(final["model"][name], weight, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EACCES])
+def test_a_full_disk_in_an_atomic_writer_says_so_with_the_folder_and_its_free_space(tmp_path, monkeypatch, code):
+    """write_json / write_bytes (benchmark results, example logs): a full disk or quota is one line naming the folder
+    and its free space, and the old file stays. Twin: another OSError (permissions) is not called a full disk."""
+    import utils.atomic
+    target = tmp_path / "results.json"
+    target.write_text("old")
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, path, mode):
+            self.file = real_open(path, mode)
+
+        def write(self, data):
+            raise OSError(code, os.strerror(code))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(utils.atomic, "open", FullDisk, raising=False)
+    if code == errno.EACCES:
+        with pytest.raises(PermissionError):
+            utils.atomic.write_json(target, {"a": 1})
+    else:
+        with pytest.raises(UserError, match=rf"writing '.*results\.json' failed: the disk is full \(.+; [0-9.]+ GB "
+                                            rf"free in '{re.escape(str(tmp_path))}'\); nothing was changed"):
+            utils.atomic.write_json(target, {"a": 1})
+    assert target.read_text() == "old" and not os.path.exists(str(target) + ".tmp")

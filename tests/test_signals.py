@@ -7,6 +7,7 @@ its ranks; they agree on the step to stop after).
 A failure points to utils/signals.py (handlers, the agreement), utils/training.Milestones.stop, finish_run's exit
 code, or the checkpoint the loop writes when it stops.
 """
+import contextlib
 import os
 import re
 import signal
@@ -97,7 +98,7 @@ def test_ctrl_c_and_slurms_warning_signal_stop_the_same_way(era5_dir, tmp_path, 
 def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_dir, tmp_path):
     """Twin: with the handlers switched off (the loop never learns of the signal) SIGTERM ends the process at once:
     no checkpoint, no line, and not the requeue exit code."""
-    code = ("import sys, utils.signals as s; s.install = lambda: None; import train; "
+    code = ("import sys, utils.signals as s; s.install = s.record_from_start = lambda: None; import train; "
             "sys.argv[0] = 'train.py'; train.main(sys.argv[1:])")
     argv = ["-c", code, "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--checkpoint_interval",
             "0", "--expdir", str(tmp_path)]
@@ -125,21 +126,214 @@ def test_under_torchrun_at_tp2_both_ranks_stop_after_the_same_step_and_resume_ex
     assert_same_run(run_dir, os.path.join(str(tmp_path / "whole"), "tiny", "2MP", "00"))
 
 
-@pytest.mark.parametrize("unpickled", [True, False])
-def test_a_dali_worker_ignores_slurms_warning_signal(unpickled):
-    """DALI starts its workers afresh (spawn), without the training process's handlers, and Slurm's warning signal
-    reaches every process of the job: a worker that unpickled its sample source ignores SIGUSR1 and SIGINT and
-    lives on (the main process stops them). Twin: a process that did not, dies of SIGUSR1."""
+def _dali_like_worker(source, unpickle, signalled):
+    """A process started as DALI starts its workers (spawn); with `unpickle` it unpickles its sample source first.
+    It sends itself SIGUSR1, SIGINT and SIGTERM (a sender other than its parent, as Slurm is), then waits."""
+    import pickle
+    if unpickle:
+        pickle.loads(source)
+    for signum in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+        os.kill(os.getpid(), signum)
+    signalled.set()
+    time.sleep(60)
+
+
+def test_a_dali_worker_ignores_every_stop_signal_but_its_loaders_sigterm():
+    """Slurm signals every process of the step, DALI's spawned workers too, and they have none of the training
+    process's handlers: a worker started with the signals blocked (signals.workers_start_blocked, as
+    PipelineLoader._restart starts them) that unpickled its sample source lives through SIGUSR1, SIGINT and SIGTERM
+    from anyone else, and ends on its parent's SIGTERM (DALI closing a worker that did not exit). Twin: a process
+    started plainly, without the source, dies of the first signal."""
+    import multiprocessing
     import pickle
 
     from loaders.common import SamplerSource
+    from utils import signals
     source = pickle.dumps(SamplerSource([0, 1, 2, 3], 2, 2, 0, 0))
-    code = ("import os, pickle, signal, sys; from loaders.common import SamplerSource; "
-            f"{'pickle.loads(sys.stdin.buffer.read()); ' if unpickled else ''}"
-            "os.kill(os.getpid(), signal.SIGUSR1); os.kill(os.getpid(), signal.SIGINT); print('alive')")
-    result = subprocess.run([sys.executable, "-c", code], input=source, capture_output=True, cwd=REPO_ROOT,
-                            timeout=60)
-    if unpickled:
-        assert result.returncode == 0 and result.stdout.strip() == b"alive", result.stderr[-2000:]
-    else:
-        assert result.returncode == -signal.SIGUSR1
+    context = multiprocessing.get_context("spawn")
+    worker_signalled, twin_signalled = context.Event(), context.Event()
+    with signals.workers_start_blocked():
+        worker = context.Process(target=_dali_like_worker, args=(source, True, worker_signalled))
+        worker.start()
+    twin = context.Process(target=_dali_like_worker, args=(source, False, twin_signalled))
+    twin.start()
+    try:
+        assert worker_signalled.wait(60)
+        twin.join(60)
+        assert twin.exitcode == -signal.SIGUSR1
+        time.sleep(0.2)
+        assert worker.is_alive()
+        worker.terminate()  # SIGTERM from its parent
+        worker.join(10)
+        assert worker.exitcode == 0
+    finally:
+        for process in (worker, twin):
+            if process.is_alive():
+                process.kill()
+
+
+# --- signals as Slurm sends them: to every process of the job (os.killpg on a session of its own), at any moment ---
+
+def start_in_own_group(command, log_path, nproc=1):
+    """Start `command` (through torchrun when nproc > 1) as the leader of a new process group, as a job step is."""
+    # the threads run_command gives the same command (another count sums in another order)
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+               CUDA_VISIBLE_DEVICES="")
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(launcher + command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def children(pid):
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return found
+
+
+def forked_below(pid, depth):
+    """The processes `depth` generations below `pid` that run a training script (ranks: 1 below torchrun; their
+    loader workers, forked: 1 below a rank), not the helpers multiprocessing starts."""
+    def runs_training(process):
+        with contextlib.suppress(OSError), open(f"/proc/{process}/cmdline", "rb") as f:
+            return b"train.py" in f.read()
+        return False
+    level = [pid]
+    for _ in range(depth):
+        level = [child for process in level for child in children(process) if runs_training(child)]
+    return level
+
+
+def wait_until(process, log_path, condition, what):
+    deadline = time.time() + 120
+    while not condition():
+        assert process.poll() is None and time.time() < deadline, f"{what}: " + log_path.read_text()[-3000:]
+        time.sleep(0.01)
+
+
+def test_sigterm_to_every_process_with_loader_workers_checkpoints_exits_75_and_resumes_exactly(era5_dir, tmp_path):
+    """What scancel, a preemption and the time limit do: SIGTERM to the main process and its two loader workers at
+    once. The workers live on (their rank decides), the run stops with a checkpoint and exit 75, and the run started
+    again ends where an uninterrupted one does. Before the fix a worker died of it and the main process failed with
+    "DataLoader worker (pid N) is killed by signal: Terminated" (exit 1, no checkpoint)."""
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "80", "--num_data_workers", "2",
+            "--checkpoint_interval", "0"]
+    whole = start_in_own_group(argv + ["--expdir", str(tmp_path / "whole")], tmp_path / "whole.log")
+    log_path = tmp_path / "split.log"
+    split = start_in_own_group(argv + ["--expdir", str(tmp_path / "split")], log_path)
+    wait_until(split, log_path, lambda: len(forked_below(split.pid, 1)) == 2, "two loader workers")
+    os.killpg(split.pid, signal.SIGTERM)
+    assert split.wait(timeout=300) == 75, log_path.read_text()[-3000:]
+    output = log_path.read_text()
+    assert "Traceback" not in output and "killed by signal" not in output
+    iteration = stopped_at(output, "SIGTERM")
+    run_dir = os.path.join(str(tmp_path / "split"), "tiny", "1GPU", "00")
+    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == iteration
+    assert whole.wait(timeout=300) == 0, (tmp_path / "whole.log").read_text()[-3000:]
+    again = run_command(argv + ["--expdir", str(tmp_path / "split")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_same_run(run_dir, os.path.join(str(tmp_path / "whole"), "tiny", "1GPU", "00"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT])
+def test_slurms_warning_and_ctrl_c_to_every_process_with_loader_workers_stop_with_a_checkpoint(era5_dir, tmp_path,
+                                                                                             signum):
+    """SIGUSR1 (`--signal=USR1@180`, `scancel -s USR1`) and Ctrl-C in a terminal (the whole foreground group) reach
+    the loader workers too: they live on, and the run stops with a checkpoint and exit 75."""
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--num_data_workers", "2",
+            "--checkpoint_interval", "0", "--expdir", str(tmp_path)]
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(argv, log_path)
+    wait_until(process, log_path, lambda: len(forked_below(process.pid, 1)) == 2, "two loader workers")
+    os.killpg(process.pid, signum)
+    assert process.wait(timeout=300) == 75, log_path.read_text()[-3000:]
+    output = log_path.read_text()
+    assert "Traceback" not in output
+    iteration = stopped_at(output, signal.Signals(signum).name)
+    checkpoint = os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt")
+    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+
+
+@pytest.mark.compat  # also on the container's torch 2.5
+def test_sigterm_to_torchrun_its_ranks_and_their_workers_stops_every_rank_with_a_checkpoint(era5_dir, tmp_path):
+    """torchrun with DDP, one loader worker per rank, and SIGTERM to all five processes (srun signals every rank's
+    processes the same way): both ranks stop after the same step, with a checkpoint, and exit 75."""
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--num_data_workers", "1",
+            "--checkpoint_interval", "0", "--expdir", str(tmp_path)]
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(argv, log_path, nproc=2)
+    wait_until(process, log_path, lambda: len(forked_below(process.pid, 2)) == 2, "two ranks' workers")
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=300)
+    output = log_path.read_text()
+    iteration = stopped_at(output, "SIGTERM")
+    assert "killed by signal" not in output and "DataLoader worker" not in output, output[-3000:]
+    assert re.search(r"exitcode\s*:\s*75|exit code 75", output) or "SignalException" in output, output[-3000:]
+    checkpoint = os.path.join(str(tmp_path), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
+    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+
+
+def handles(pid, signum):
+    """Whether process `pid` has a handler of its own for `signum` (/proc's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_nothing_written(era5_dir, tmp_path, signum):
+    """The signal reaches the process as soon as its first line (utils/early_signals.py) has run, i.e. while torch
+    imports: it is recorded, and the run stops at the end of start_run in one line, exit 75, no checkpoint. Before:
+    SIGUSR1 exit 138 with nothing said, SIGTERM 143, SIGINT a traceback."""
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "20", "--expdir", str(tmp_path)]
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(argv, log_path)
+    wait_until(process, log_path, lambda: handles(process.pid, signal.SIGUSR1), "the first line")
+    os.killpg(process.pid, signum)
+    assert process.wait(timeout=120) == 75, log_path.read_text()[-3000:]
+    output = log_path.read_text()
+    assert "Traceback" not in output, output
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} during start-up, before the first step; nothing was written" in output
+    assert not os.path.exists(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints"))
+
+
+def test_without_the_first_line_a_signal_during_the_imports_kills_the_run_silently(era5_dir, tmp_path):
+    """Twin: without utils/early_signals.py's handlers, SIGUSR1 while torch imports ends the process at once with
+    SIGUSR1's status (138 in a shell), which the submit scripts do not requeue."""
+    code = "import sys, utils.signals as s; s.record_from_start = lambda: None; sys.argv[0] = 'train.py'; import train"
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(["-c", code], log_path)
+    time.sleep(0.3)  # torch's import takes longer than this
+    os.killpg(process.pid, signal.SIGUSR1)
+    assert process.wait(timeout=120) == -signal.SIGUSR1
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
+    """Two SIGINTs 10 ms apart: the second stops at once (KeyboardInterrupt, SIGINT's status), said in one line."""
+    from utils.signals import INTERRUPTED
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--expdir", str(tmp_path)]
+    log_path = tmp_path / "run.log"
+    process = start_in_own_group(argv, log_path)
+    wait_until(process, log_path, lambda: "Starting Training Loop" in log_path.read_text(), "the loop")
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=120) == -signal.SIGINT
+    output = log_path.read_text()
+    assert "Traceback" not in output and output.count(INTERRUPTED) == 1, output[-3000:]
+
+
+def test_a_mistake_every_rank_finds_is_printed_once(era5_dir, tmp_path):
+    """Two ranks find the same bad flag value: rank 0 alone prints it, and both exit non-zero (torchrun reports the
+    failed ranks). Before, each rank printed it (N ranks, N lines)."""
+    result = run_command(["train.py", "--config", "tiny", "--data_dir", era5_dir, "--stop_at_iter", "0",
+                          "--expdir", str(tmp_path)], nproc=2, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("error: --stop_at_iter is 0") == 1, output[-3000:]  # torchrun's own report follows it

@@ -5,9 +5,14 @@ Write to `<path>.tmp`, fsync it, rename it over `path` (atomic on POSIX), fsync 
 content. Every writer in the project goes through `atomic_path`.
 """
 import contextlib
+import errno
 import json
 import os
 import shutil
+
+from utils.errors import UserError
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _fsync(path, directory=False):
@@ -51,9 +56,18 @@ def free_space(folder):
 
 
 def write_bytes(path, data):
-    """`data` (bytes or str) to `path`, atomically."""
-    with atomic_path(path) as tmp_path, open(tmp_path, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+    """`data` (bytes or str) to `path`, atomically; a full disk (or quota) is a UserError naming the folder and its
+    free space."""
+    try:
+        with atomic_path(path) as tmp_path, open(tmp_path, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        folder = os.path.dirname(os.path.abspath(path))
+        raise UserError(f"writing '{path}' failed: the disk is full ({err.strerror}; {free_space(folder)} in "
+                        f"'{folder}'); nothing was changed; free disk space (or raise the quota), or write "
+                        "elsewhere") from None
 
 
 def write_json(path, obj):

@@ -32,8 +32,11 @@ def save_checkpoint(path, state):
     try:
         with atomic_path(path, keep_previous=previous_path(path)) as tmp_path, open(tmp_path, "wb") as f:
             torch.save(state, f)
-    except (OSError, RuntimeError) as err:  # torch.save reports a failed write (ENOSPC) as a RuntimeError
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip().splitlines()[-1]
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, OSError):
+            reason = err.strerror or str(err)
+        else:  # torch's zip writer says only "[enforce fail at inline_container.cc:...] . unexpected pos ..."
+            reason = "the disk is full or over its quota: the file system took fewer bytes than torch wrote"
         folder = os.path.dirname(os.path.abspath(path))
         kept = "the previous checkpoint is kept" if os.path.isfile(path) else "there was no earlier checkpoint"
         raise UserError(f"writing checkpoint '{path}' failed ({reason}; {free_space(folder)} in '{folder}'); the "
@@ -49,8 +52,9 @@ def load_checkpoint(path):
         # our own files hold numpy/python RNG states, which weights_only loading refuses
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
-        raise DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({type(err).__name__}): it is damaged or "
-                                "incomplete (a write cut short, a failing file system)") from None
+        raise DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({type(err).__name__}): it is damaged, "
+                                "incomplete (a write cut short, a failing file system) or not a checkpoint; pass "
+                                "another checkpoint to --resume") from None
 
 
 def load_newest_checkpoint(path):
@@ -63,9 +67,10 @@ def load_newest_checkpoint(path):
         try:
             return load_checkpoint(path), path
         except DamagedCheckpoint as err:
+            why = str(err).rsplit("; pass another", 1)[0]  # the run directory's own: --resume would not be read
             if not os.path.isfile(previous):
-                raise
-            why = str(err)
+                raise UserError(f"{why}, and there is no previous one; move it away to train from the beginning "
+                                "here, or start a new --run_num (or --expdir)") from None
     try:
         checkpoint = load_checkpoint(previous)
     except DamagedCheckpoint:

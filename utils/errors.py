@@ -1,6 +1,7 @@
-"""User mistakes end in one clear line and a non-zero exit, never a traceback."""
+"""User mistakes end in one clear line and a non-zero exit, never a traceback; one line per job, not one per rank."""
 import argparse
 import functools
+import os
 import sys
 
 _cleanups = []
@@ -13,18 +14,32 @@ def register_cleanup(function):
 
 
 class UserError(Exception):
-    """A mistake the user can fix (bad config, missing data, sizes that do not divide)."""
+    """A mistake the user can fix (bad config, missing data, sizes that do not divide). Every rank reads the same
+    flags, config and files, so every rank finds it: world rank 0 alone prints it (every rank exits with code 2)."""
+
+
+class OneRankError(UserError):
+    """A mistake one rank may find alone (a sample of its shard that cannot be read, its wait for rank 0): printed by
+    the rank that finds it, whatever its rank."""
+
+
+def prints_here(err):
+    """Whether this process prints `err`: rank 0 ($RANK, set by torchrun and export_DDP_vars.sh), or the rank
+    that found a OneRankError."""
+    return isinstance(err, OneRankError) or os.environ.get("RANK", "0") == "0"
 
 
 def exit_on_user_error(main):
-    """Run `main`; turn a UserError into `error: <message>` on stderr and exit code 2; run the cleanups."""
+    """Run `main`; turn a UserError into `error: <message>` on stderr (where prints_here says) and exit code 2;
+    run the cleanups."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+            if prints_here(err):
+                print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(2)
         finally:
             while _cleanups:
@@ -46,5 +61,6 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (no usage dump) and exits with code 2."""
 
     def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
+        if prints_here(UserError(message)):  # every rank gets the same flags
+            print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 
 def launch_settings(world_size, timeout_s):
@@ -82,7 +82,7 @@ def wait_for_master(addr, port, rank, timeout):
                 return
         except OSError:
             if time.monotonic() >= deadline:
-                raise UserError(f"rank {rank} waited {timeout:g} s for rank 0 at {addr}:{port} and nobody answered; "
+                raise OneRankError(f"rank {rank} waited {timeout:g} s for rank 0 at {addr}:{port} and nobody answered; "
                                 "start every rank (srun -n N / torchrun --nproc_per_node N) with the same "
                                 "MASTER_ADDR and MASTER_PORT, or raise --dist_timeout") from None
             time.sleep(0.5)

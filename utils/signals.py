@@ -1,26 +1,39 @@
-"""Stopping cleanly on a signal: a time limit, a preemption, Ctrl-C.
+"""Stopping cleanly on a signal: a time limit, a preemption, Ctrl-C, at any moment, sent to any process of the job.
 
-Slurm sends SIGTERM at the time limit and on preemption (then SIGKILL after KillWait, often 30 s), and the
-submit scripts ask for SIGUSR1 a few minutes before the limit (`#SBATCH --signal=USR1@180`); torchrun forwards
-SIGTERM to its workers. A handler only records the first signal. At each step boundary the ranks agree on it
-(`agreed()`: one collective on the host, no device sync), so every rank stops after the same iteration; the loop
-then writes a checkpoint and the script exits with EXIT_CODE, which tells the submit scripts to requeue the job.
-A second Ctrl-C stops at once (KeyboardInterrupt).
+Slurm sends SIGTERM at the time limit, on preemption and on `scancel` (then SIGKILL after KillWait, often 30 s), and
+the submit scripts ask for SIGUSR1 a few minutes before the limit (`#SBATCH --signal=USR1@180`); Slurm signals every
+process of the step (each rank and its loader workers), torchrun forwards SIGTERM to its ranks. A handler only
+records the first signal. At each step boundary the ranks agree on it (`agreed()`: one collective on the host, no
+device sync), so every rank stops after the same iteration; the loop then writes a checkpoint and the script exits
+with EXIT_CODE, which tells the submit scripts to requeue the job.
+
+From the first line of a training script (`utils/early_signals.py`, imported before torch) the signals are recorded,
+and a signal that came before the first step stops the run where the ranks next agree (end of start_run, end of
+restore, the loop's first question) with one line and EXIT_CODE, nothing written. Loader workers (PyTorch's and
+DALI's) never act on a signal: they start with the signals blocked (`workers_start_blocked`) and hand them to a
+thread (`ignore_in_worker`) that ignores them, except SIGTERM from their own parent (the loader closing them).
+A second Ctrl-C stops at once (KeyboardInterrupt), in one line.
+
+This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked.
 """
+import contextlib
 import logging
+import multiprocessing
 import os
 import signal
-
-from utils import comm
+import sys
+import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the submit scripts requeue the job on it
+INTERRUPTED = ("interrupted by a second Ctrl-C: stopped at once, without a checkpoint; starting again resumes from "
+               "the last one")
 
-_state = {"received": None, "agreed": None, "pid": None, "previous": {}}
+_state = {"received": None, "agreed": None, "pid": None, "early": False, "previous": {}, "waiting_in": None}
 
 
 def _record(signum, frame):
-    if os.getpid() != _state["pid"]:  # a forked loader worker: the main process decides, and stops the workers
+    if os.getpid() != _state["pid"]:  # a forked process that has not taken its signals over yet: not its to act on
         return
     if _state["received"] is None:
         _state["received"] = signum
@@ -29,31 +42,53 @@ def _record(signum, frame):
         raise KeyboardInterrupt  # a second Ctrl-C: now
 
 
-def install():
-    """Record SIGTERM, SIGINT and SIGUSR1 from now on (main thread); `uninstall()` puts the old handlers back."""
-    _state.update(received=None, agreed=None, pid=os.getpid())
+def _handle(signum):
+    previous = signal.signal(signum, _record)
+    _state["previous"].setdefault(signum, previous)  # what was there before the first install: uninstall() restores it
+
+
+def record_from_start():
+    """The first line of a training script: record the stop signals from now on (torch's import takes seconds, a
+    rendezvous minutes), so that `install()` finds one that came early; a KeyboardInterrupt that ends the script
+    (a second Ctrl-C) is said in one line, not a traceback."""
+    _state.update(received=None, agreed=None, pid=os.getpid(), early=True)
     for signum in STOP_SIGNALS:
-        _state["previous"][signum] = signal.signal(signum, _record)
+        _handle(signum)
+    if not getattr(sys.excepthook, "one_line_interrupt", False):
+        sys.excepthook = _one_line_interrupt(sys.excepthook)
 
 
-def ignore_in_worker():
-    """In a loader worker started afresh (DALI's spawned workers have none of this process's handlers): ignore Ctrl-C
-    and Slurm's warning signal, which reach every process of the job; the main process stops at a step boundary
-    and closes its workers. SIGTERM keeps its default: DALI ends a worker that does not exit with it."""
-    if os.getpid() != _state["pid"]:
-        for signum in (signal.SIGINT, signal.SIGUSR1):
-            signal.signal(signum, signal.SIG_IGN)
+def _one_line_interrupt(hook):
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, KeyboardInterrupt):
+            if os.environ.get("RANK", "0") == "0":  # one line per job
+                print(INTERRUPTED, file=sys.stderr, flush=True)
+            return
+        hook(kind, value, traceback)
+    excepthook.one_line_interrupt = True
+    return excepthook
+
+
+def install():
+    """Record SIGTERM, SIGINT and SIGUSR1 from now on (main thread), keeping one recorded since `record_from_start()`
+    (a new run in the same process forgets an old one); `uninstall()` puts the old handlers back."""
+    kept = _state["received"] if _state["early"] and _state["pid"] == os.getpid() else None
+    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False)
+    for signum in STOP_SIGNALS:
+        _handle(signum)
 
 
 def uninstall():
     for signum, handler in _state["previous"].items():
         signal.signal(signum, handler)
     _state["previous"].clear()
+    _state["early"] = False
 
 
 def agreed():
     """The name of the signal that stops the run ('SIGTERM', ...), or None: collective over every rank (the
     highest signal number any rank received), so all ranks stop at the same step boundary."""
+    from utils import comm  # here, not at the top: this module is imported before torch
     number = comm.max_over_ranks_on_host(_state["received"] or 0)
     if number:
         _state["agreed"] = signal.Signals(number).name
@@ -63,3 +98,68 @@ def agreed():
 def stopped_by():
     """The signal the run stopped on (after agreed() said so), else None."""
     return _state["agreed"]
+
+
+def stop_before_training(where):
+    """Collective, before the training loop: if any rank received a signal since the script's first line, every rank
+    stops here with one line (rank 0) and EXIT_CODE, having written nothing (the submit scripts requeue the job)."""
+    name = agreed()
+    if name:
+        logging.info(f"stopped by {name} during {where}, before the first step; nothing was written, starting again "
+                     "resumes here")
+        from utils import comm
+        comm.destroy()
+        raise SystemExit(EXIT_CODE)
+
+
+# --- loader workers: forked (PyTorch) or spawned (DALI) processes that the main process starts and stops ---
+
+@contextlib.contextmanager
+def workers_start_blocked():
+    """Start worker processes inside this: they begin with the stop signals blocked (a child inherits the mask, also
+    through spawn's exec), so no signal reaches one before `ignore_in_worker()` takes them over. In the main process
+    the signals wait until the block ends (or reach another of its threads; the handler still records them)."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # started later, it would unblock SIGINT and SIGTERM in this thread (spawn)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class WorkerProcess(multiprocessing.Process):
+    """multiprocessing.Process (the default start method) started inside `workers_start_blocked()`."""
+
+    def start(self):
+        with workers_start_blocked():
+            super().start()
+
+
+class WorkerContext(multiprocessing.context.BaseContext):
+    """The multiprocessing context a DataLoader's workers start in (DataLoader(multiprocessing_context=...)): the
+    default start method's, with every worker started inside `workers_start_blocked()`."""
+    Process = WorkerProcess
+
+    def get_start_method(self, allow_none=False):
+        return multiprocessing.get_start_method(allow_none)
+
+
+def ignore_in_worker():
+    """In a loader worker, started by `workers_start_blocked()` (DALI's spawned ones unpickle their source here): the
+    stop signals are for the main process, which stops at a step boundary and then closes its workers. They stay
+    blocked, and a thread takes them: SIGTERM from the parent (the loader closing a worker that did not exit) ends
+    the worker as the loader expects; anything else (Slurm's SIGTERM, SIGUSR1, Ctrl-C to every process) is ignored."""
+    if os.getpid() in (_state["pid"], _state["waiting_in"]) or multiprocessing.parent_process() is None:
+        return  # the training process itself, or a worker whose thread already waits
+    _state["waiting_in"] = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # already, if started blocked; this thread at least
+    parent = os.getppid()
+    threading.Thread(target=_wait_in_worker, args=(parent,), name="stop-signals", daemon=True).start()
+
+
+def _wait_in_worker(parent):
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # what PyTorch's own worker handler does on its loader's SIGTERM

@@ -131,8 +131,11 @@ def start_run(args, params, layout):
         else:
             run.checkpoint = load_checkpoint(run.resume_path)
         if not isinstance(run.checkpoint, dict) or not {"model", "iteration", "config_name"} <= set(run.checkpoint):
+            what = ("move it away to train from the beginning here, or start a new --run_num (or --expdir)"
+                    if run.resume_path in (checkpoint_path, previous_path(checkpoint_path))
+                    else "pass one of a run directory's checkpoints to --resume")
             raise UserError(f"'{run.resume_path}' is not a checkpoint written by train.py (a torch file without its "
-                            "model, iteration and config); pass one of a run directory's checkpoints to --resume")
+                            f"model, iteration and config); {what}")
         written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
         if written_by != (args.config, params.get("model", "vit")):
             raise UserError(f"checkpoint '{run.resume_path}' was written by config '{written_by[0]}' (model "
@@ -140,6 +143,8 @@ def start_run(args, params, layout):
                             "with the same --yaml_config and --config, or start a new --run_num or --expdir")
     if run.rank == 0:
         log_to_file(os.path.join(exp_dir, "out.log"))
+    signals.stop_before_training("start-up")  # a signal since the script's first line: stop before the data loaders
+    if run.rank == 0:
         params.log()
     return run
 
@@ -206,6 +211,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     checkpoint, path = run.checkpoint, run.resume_path
     run.checkpoint = None  # free the memory once restored
     if checkpoint is None:
+        signals.stop_before_training("start-up")
         return 0, None
     load_model(model, checkpoint["model"], path)
     (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
@@ -218,6 +224,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "
                      "pass a new --run_num (or raise --num_iters) to train again")
+    signals.stop_before_training("the restore")  # a signal during the data loaders' start, the model's build, the load
     return start_iter, checkpoint.get("epoch_sums")
 
 
