@@ -127,7 +127,8 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a check of this script)")
     args = parser.parse_args(argv)
     params = YParams("config/ViT.yaml", "tiny" if args.tiny else "short")
-    flags = ["--data_dir", args.data_dir, "--amp_mode", "bf16", "--enable_fused", "--num_data_workers", str(args.workers)]
+    flags = ["--data_dir", args.data_dir, "--amp_mode", "bf16", "--enable_fused",
+             "--num_data_workers", str(args.workers)]
     apply_overrides(params, training_parser("levers").parse_args(flags), dp_size=1, dp_rank=0)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     loader = get_data_loader(params, train=True)  # one loader (its workers started once) for every variant
