@@ -4,18 +4,21 @@
 
 Step alone (one batch kept on the GPU, ms per step): the tokens contiguous after the patch embedding against the
 transposed view they were before; scaled_dot_product_attention's kernels (torch's choice, cuDNN, FlashAttention-2,
-memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the next batch copied on the
-copy stream during the step, against the copy queued on the compute stream after it, and the workers' stream kept
-across epochs against one drained and restarted at each boundary (with a device-wide sync, as before). Each
-variant changes one thing; the others stay as they are now. A kernel that cannot run a shape, or a lever that
-needs CUDA, is reported with the reason. `--tiny` uses the `tiny` config (a check of this script on any machine).
+memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the batch copied on the
+loader's copy stream beside the step before it, against the copy on the compute stream (GPU only), and the
+workers' requests kept going across epochs against one epoch's requests at a time, restarted at each boundary
+after a device-wide sync (as before). Each variant changes one thing; the others stay as they are now. A kernel
+that cannot run a shape, or a lever that needs CUDA, is reported with the reason. `--tiny` uses the `tiny` config
+(a check of this script on any machine).
 """
 import contextlib
+import copy
 import os
 import sys
 import time
 
 import torch
+from torch.utils.data import BatchSampler
 
 from benchmarks.common import device_name
 from loaders import common as loader_common
@@ -50,20 +53,32 @@ def copy_on_the_compute_stream(self, host, device):
         yield on_gpu
 
 
+def one_epoch_of_requests(self):
+    """RingBatchSampler.__iter__ as it was: the requests of one epoch, then the end of the DataLoader's pass."""
+    sampler, (epoch, skip) = copy.copy(self.sampler), self.start
+    sampler.set_epoch(epoch, skip=skip * self.batch_size)
+    for indices in BatchSampler(sampler, self.batch_size, drop_last=self.train):
+        slot, self.count = self.count % self.slots, self.count + 1
+        yield slot, indices
+
+
 def restarted_each_epoch(self, epoch, skip=0):
-    """TorchLoader.set_epoch as if the stream never matched: drained and restarted at each epoch, after a
-    device-wide sync (as before)."""
+    """TorchLoader.set_epoch as it was: every pass a new one (the workers' requests stopped at the epoch's end),
+    after a device-wide sync."""
     self.epoch, self.skip, self.position = epoch, skip, None
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-VARIANTS = {  # name: (what, where it is patched, attribute, replacement, needs CUDA)
-    "now": ("as the code is now", None, None, None, False),
-    "tokens_transposed": ("tokens as a transposed view", vit.PatchEmbed, "forward", transposed_tokens, False),
-    "copy_on_compute_stream": ("copy on the compute stream", loader_common.TorchLoader, "_on_device",
-                               copy_on_the_compute_stream, True),
-    "loader_restarted_each_epoch": ("loader restarted each epoch", loader_common.TorchLoader, "set_epoch",
-                                    restarted_each_epoch, True),
+TORCH_LOADER, RING_SAMPLER = loader_common.TorchLoader, loader_common.RingBatchSampler
+VARIANTS = {  # name: (what, [(where it is patched, attribute, replacement)], needs CUDA)
+    "now": ("as the code is now", [], False),
+    "tokens_transposed": ("tokens as a transposed view", [(vit.PatchEmbed, "forward", transposed_tokens)], False),
+    "copy_on_compute_stream": ("copy on the compute stream",
+                               [(TORCH_LOADER, "_on_device", copy_on_the_compute_stream)], True),
+    "loader_restarted_each_epoch": ("loader restarted each epoch", [(TORCH_LOADER, "set_epoch", restarted_each_epoch),
+                                                                    (RING_SAMPLER, "__iter__", one_epoch_of_requests)],
+                                    False),
 }
 ATTENTION = ("auto", "cudnn", "flash", "efficient")
 
@@ -135,15 +150,15 @@ def main(argv=None):
     report = {"device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "config": "tiny" if args.tiny else "short", "batch": params.local_batch_size, "steps": args.steps,
               "step_alone_ms": {}, "with_loader_ms": {}, "attention_ms": {}}
-    for name, (what, owner, attribute, replacement, needs_cuda) in VARIANTS.items():
+    for name, (what, patches, needs_cuda) in VARIANTS.items():
         for with_loader, key in ((False, "step_alone_ms"), (True, "with_loader_ms")):
-            if (needs_cuda and device.type != "cuda") or (not with_loader and owner is loader_common.TorchLoader):
+            loader_lever = any(owner in (TORCH_LOADER, RING_SAMPLER) for owner, _, _ in patches)
+            if (needs_cuda and device.type != "cuda") or (not with_loader and loader_lever):
                 continue
             patch = contextlib.ExitStack()
-            if owner is not None:
-                original = getattr(owner, attribute)
+            for owner, attribute, replacement in patches:
+                patch.callback(setattr, owner, attribute, getattr(owner, attribute))
                 setattr(owner, attribute, replacement)
-                patch.callback(setattr, owner, attribute, original)
             with patch:
                 report[key][name] = value = measure(params, loader, device, args.steps, args.warmup, with_loader)
             log(f"{what}, {'with the loader' if with_loader else 'step alone'}: {value:.2f} ms/step")

@@ -12,12 +12,14 @@ step on one batch kept on the GPU):
 A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason. Targets (ViT
 `short` bf16, 8 workers, FULL): eager >= 135 samples/s, fused + compile >= 165, the run with the loader >= 95% of
 the same step without it, peak memory <= 14.2 GB; each with its measured value and whether it was met. About 6
-minutes on one H100 (an estimate until it has run there). `--tiny --allow-cpu` runs the same rows on the `tiny`
-configs (a check of this script on any machine).
+minutes on one H100 (an estimate until it has run there). ERA5 is generated with 128 samples (8 steps an epoch);
+where /dev/shm cannot hold 8 workers' rings, fewer workers run and the row says so. `--tiny --allow-cpu` runs the
+same rows on the `tiny` configs (a check of this script on any machine).
 """
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +60,37 @@ TARGETS = {  # (row, what, at least / at most)
 }
 
 
+# ERA5 at 360 x 720 with 128 samples a year: 8 steps of `short`'s batch 16 an epoch, so the runs cross epoch
+# boundaries (the tutorial's `short` reads 512 samples: 32 steps)
+TABLE_SIZES = {"full": {**DATA_SIZES["full"], "era5": {**DATA_SIZES["full"]["era5"], "steps_per_year": 128}},
+               "tiny": DATA_SIZES["tiny"]}
+VIT_SHORT_BATCH_BYTES = 16 * 2 * 20 * 360 * 720 * 4  # input and target of one `short` batch, float32: 664 MB
+
+
+def shm_free_bytes():
+    return shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+
+
+def workers_that_fit(flags, tiny, free):
+    """`flags` with --num_data_workers lowered where the ViT's two rings of shared memory (training and validation:
+    (workers x 2 + 2) batches each) would not fit in /dev/shm's free space; a note saying so, or None."""
+    if tiny or free is None or "--num_data_workers" not in flags:
+        return flags, None
+    at = flags.index("--num_data_workers") + 1
+    asked = workers = int(flags[at])
+
+    def rings(n):
+        return 2 * (2 * n + 2) * VIT_SHORT_BATCH_BYTES
+
+    while workers > 0 and rings(workers) > 0.9 * free:
+        workers -= 1
+    if workers == asked:
+        return flags, None
+    note = (f"{workers} loader workers instead of {asked}: /dev/shm has {free / 1e9:.1f} GB free, {asked} workers' "
+            f"rings need {rings(asked) / 1e9:.1f} GB")
+    return [*flags[:at], str(workers), *flags[at + 1:]], note
+
+
 def log(message):
     print(f"[gpu-table {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -95,8 +128,11 @@ def check_targets(rows):
 def run_levers(era5_dir, work, tiny):
     """benchmarks/bench_levers.py in its own process: each lever of the ViT step on its own; its JSON, or the error."""
     out = os.path.join(work, "levers.json")
+    workers, note = workers_that_fit(["--num_data_workers", "8"], tiny, shm_free_bytes())  # (one ring: it fits)
     command = [sys.executable, "-m", "benchmarks.bench_levers", "--data_dir", era5_dir, "--out", out,
-               *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else [])]
+               "--workers", workers[-1], *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else [])]
+    if note:
+        log(f"levers: {note}")
     log(f"levers: {' '.join(command[1:])}")
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     print(result.stdout[-3000:], flush=True)
@@ -141,7 +177,7 @@ def main(argv=None):
               "date": time.strftime("%Y-%m-%d"), "started": time.ctime(), "tiny": args.tiny, "rows": {}}
     sizes = "tiny" if args.tiny else "full"
     work = os.path.abspath(args.work)
-    data = make_data(os.path.join(work, sizes), DATA_SIZES[sizes], log)
+    data = make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 2, "nwarmup": 1}
     for name in args.rows.split(","):
         label, yaml, config, dataset, script, flags = ROWS[name]
@@ -150,9 +186,12 @@ def main(argv=None):
             report["rows"][name] = {"ok": False, "skipped": reason}
             log(f"{label}: not run ({reason})")
             continue
+        flags, note = workers_that_fit(flags, args.tiny, shm_free_bytes())
+        if note:
+            log(f"{label}: {note}")
         result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags, work, bench,
                            script=script, log=log)
-        report["rows"][name] = result
+        report["rows"][name] = {**result, **({"note": note} if note else {})}
         if result["ok"]:
             log(f"{label}: FULL {result['FULL']['mean']:.1f} samples/s, SYNTHETIC {result['SYNTHETIC']['mean']:.1f}, "
                 f"peak memory {result['peak_memory_gb']:.2f} GB ({result['seconds']:.0f} s)")

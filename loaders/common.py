@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
 from utils import signals
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
 TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
@@ -121,9 +121,9 @@ class BatchRing:
             for buffer in self.buffers:
                 error = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
                 if error:
-                    raise UserError(f"CUDA cannot page-lock the {buffer.nbytes / 1e9:.2f} GB the loader workers read "
-                                    f"batches into (cudaError {error}); raise the locked-memory limit (ulimit -l) "
-                                    "or lower --num_data_workers or the batch size")
+                    raise OneRankError(f"CUDA cannot page-lock the {buffer.nbytes / 1e9:.2f} GB the loader workers "
+                                       f"read batches into (cudaError {error}); raise the locked-memory limit "
+                                       "(ulimit -l) or lower --num_data_workers or the batch size")
                 weakref.finalize(self, cudart.cudaHostUnregister, buffer.data_ptr())
             self.pinned = True
         return self.pinned
@@ -137,9 +137,9 @@ def shared_tensor(shape):
     try:
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 4)
     except RuntimeError as err:  # /dev/shm too small (a container's 64 MB default)
-        raise UserError(f"cannot allocate {np.prod(shape) * 4 / 1e9:.2f} GB of shared memory for the loader "
-                        f"workers' batches ({str(err).splitlines()[0]}); lower --num_data_workers or the batch size, "
-                        "or give /dev/shm more room (docker run --shm-size)") from None
+        raise OneRankError(f"cannot allocate {np.prod(shape) * 4 / 1e9:.2f} GB of shared memory for the loader "
+                           f"workers' batches ({str(err).splitlines()[0]}); lower --num_data_workers or the batch "
+                           "size, or give /dev/shm more room (docker run --shm-size)") from None
     return torch.empty(0, dtype=torch.float32).set_(storage, 0, shape)
 
 
@@ -159,7 +159,7 @@ class RingBatchSampler:
 
     def __iter__(self):
         sampler, (epoch, skip) = copy.copy(self.sampler), self.start
-        while True:
+        while len(self):  # (a shard without a batch: no requests, rather than a search without end)
             sampler.set_epoch(epoch, skip=skip * self.batch_size)
             for indices in BatchSampler(sampler, self.batch_size, drop_last=self.train):
                 slot, self.count = self.count % self.slots, self.count + 1

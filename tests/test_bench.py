@@ -124,21 +124,34 @@ def test_gpu_table_refuses_an_unknown_row_and_a_machine_without_cuda(capsys, mon
 @pytest.mark.multiprocess
 def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp_path, monkeypatch):
     """bench_levers on the tiny ViT on the CPU: the step alone and with the loader as the code is now and with the
-    tokens as a transposed view, torch's attention choice and flash; the CUDA-only kernels said not run; every
-    patched method restored afterwards."""
+    tokens as a transposed view, the loader restarted each epoch as before, torch's attention choice and flash; the
+    CUDA-only kernels said not run; every patched method restored afterwards."""
     from benchmarks import bench_levers
-    from loaders.common import TorchLoader
+    from loaders.common import RingBatchSampler, TorchLoader
     from networks.vit import PatchEmbed
     from tests.conftest import REPO_ROOT
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(bench_levers.torch.cuda, "is_available", lambda: False)
-    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch)
+    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__)
     out = tmp_path / "levers.json"
     assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "2",
                               "--warmup", "1", "--workers", "1"]) == 0
     report = json.loads(out.read_text())
-    assert set(report["step_alone_ms"]) == set(report["with_loader_ms"]) == {"now", "tokens_transposed"}
+    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed"}
+    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "loader_restarted_each_epoch"}
     assert all(value > 0 for value in [*report["step_alone_ms"].values(), *report["with_loader_ms"].values()])
     assert report["attention_ms"]["auto"] > 0 and report["attention_ms"]["flash"] > 0
     assert report["attention_ms"]["cudnn"].startswith("not run: --sdpa_backend cudnn is a CUDA kernel")
-    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch) == originals
+    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__) == originals
+
+
+def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():
+    """8 workers need 2 rings of 18 batches of 664 MB (23.9 GB); with 16 GB free in /dev/shm (90% of it used at most),
+    4 workers fit (13.3 GB), 5 (15.9 GB) do not."""
+    from benchmarks.gpu_table import workers_that_fit
+    flags = ["--amp_mode", "bf16", "--num_data_workers", "8"]
+    assert workers_that_fit(flags, False, 100e9) == (flags, None)
+    fitted, note = workers_that_fit(flags, False, 16e9)
+    assert fitted == ["--amp_mode", "bf16", "--num_data_workers", "4"]
+    assert note == "4 loader workers instead of 8: /dev/shm has 16.0 GB free, 8 workers' rings need 23.9 GB"
+    assert workers_that_fit(flags, True, 1e9) == (flags, None)  # --tiny: small batches

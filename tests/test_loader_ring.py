@@ -81,8 +81,11 @@ def test_the_workers_read_on_into_the_next_epoch(data, monkeypatch):  # noqa: F8
                         restarts.append(first_iter) or reset(self, loader, first_iter))
     loader = era5_loader(data, 2)
     assert_same(pass_of(loader, 0), expected[0])
-    time.sleep(1.0)  # the workers fill the slots they were asked for
     next_slot = loader.loader.batch_sampler.count - 2 * loaders.common.PREFETCH  # the next batch handed out
+    deadline = time.monotonic() + 30  # the workers fill the slots they were asked for (a loaded machine: slowly)
+    while not torch.equal(loader.ring.views(next_slot % loader.ring.slots, 2)[1], expected[1][0][1]):
+        assert time.monotonic() < deadline, "the next epoch's first batch was never read ahead"
+        time.sleep(0.05)
     early = [tensor.clone() for tensor in loader.ring.views(next_slot % loader.ring.slots, 2)]
     assert torch.equal(early[0], expected[1][0][0]) and torch.equal(early[1], expected[1][0][1])
     assert_same(pass_of(loader, 1), expected[1])

@@ -337,3 +337,25 @@ def test_a_mistake_every_rank_finds_is_printed_once(era5_dir, tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("error: --stop_at_iter is 0") == 1, output[-3000:]  # torchrun's own report follows it
+
+
+@pytest.mark.parametrize("rank, error, printed", [
+    ("1", "UserError", ""),  # every rank finds it: rank 0 prints it
+    ("0", "UserError", "error: the same on every rank\n"),
+    ("1", "OneRankError", "error: rank 1: only this rank's node\n"),  # else nobody would say why the job hangs
+])
+def test_who_prints_a_mistake(monkeypatch, capsys, rank, error, printed):
+    """A UserError is printed by rank 0 alone; a OneRankError (its node's GPU or shared memory, a sample of its
+    shard) by the rank that found it, named, since rank 0 may not have found it. Every rank exits with code 2."""
+    from utils import errors
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = "the same on every rank" if error == "UserError" else "only this rank's node"
+
+    @errors.exit_on_user_error
+    def main():
+        raise getattr(errors, error)(message)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2 and capsys.readouterr().err == printed

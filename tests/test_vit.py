@@ -83,3 +83,17 @@ def test_sdpa_backend_runs_the_kernel_it_names(backend, kernel):
     finally:
         select_attention_backend("auto", torch.device("cpu"))
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
+@pytest.mark.parametrize("backend, device, half, refused", [
+    ("cudnn", "cpu", True, "--sdpa_backend cudnn is a CUDA kernel; on the CPU use auto, flash or math"),
+    ("flash", "cuda", False, "--sdpa_backend flash takes fp16/bf16 inputs only; add --amp_mode bf16"),
+    ("cudnn", "cuda", False, "--sdpa_backend cudnn takes fp16/bf16 inputs only"),
+])
+def test_sdpa_backend_refuses_what_cannot_run_in_one_line(backend, device, half, refused):
+    """Refused before any switch moves (no GPU needed): a CUDA kernel on the CPU; FlashAttention or cuDNN in fp32,
+    which would otherwise fail at the first forward with torch's "No available kernel"."""
+    from utils.training import select_attention_backend
+    with pytest.raises(UserError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+        select_attention_backend(backend, torch.device(device), half=half)
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()

@@ -33,10 +33,14 @@ def save_checkpoint(path, state):
         with atomic_path(path, keep_previous=previous_path(path)) as tmp_path, open(tmp_path, "wb") as f:
             torch.save(state, f)
     except (OSError, RuntimeError) as err:
+        message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         if isinstance(err, OSError):
-            reason = err.strerror or str(err)
-        else:  # torch's zip writer says only "[enforce fail at inline_container.cc:...] . unexpected pos ..."
+            reason = err.strerror or message
+        elif "inline_container" in str(err) or "PytorchStreamWriter" in str(err):
+            # torch's zip writer says only "[enforce fail at inline_container.cc:...] . unexpected pos ..."
             reason = "the disk is full or over its quota: the file system took fewer bytes than torch wrote"
+        else:
+            reason = message
         folder = os.path.dirname(os.path.abspath(path))
         kept = "the previous checkpoint is kept" if os.path.isfile(path) else "there was no earlier checkpoint"
         raise UserError(f"writing checkpoint '{path}' failed ({reason}; {free_space(folder)} in '{folder}'); the "

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from utils import rendezvous
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 from utils.rank_generator import RankGenerator
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
@@ -149,7 +149,7 @@ def get_device():
         return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
     expected = gpus_expected()
     if expected:
-        raise UserError(f"{expected}, but PyTorch cannot use a GPU ({_why_no_cuda()}); load the tutorial's "
+        raise OneRankError(f"{expected}, but PyTorch cannot use a GPU ({_why_no_cuda()}); load the tutorial's "
                         "container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= (empty) to run "
                         "on the CPU on purpose")
     return torch.device("cpu")

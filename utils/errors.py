@@ -19,8 +19,8 @@ class UserError(Exception):
 
 
 class OneRankError(UserError):
-    """A mistake one rank may find alone (a sample of its shard that cannot be read, its wait for rank 0): printed by
-    the rank that finds it, whatever its rank."""
+    """A mistake one rank may find alone (a sample of its shard that cannot be read, its wait for rank 0, its node's
+    GPU or shared memory): printed by the rank that finds it, whatever its rank, naming the rank."""
 
 
 def prints_here(err):
@@ -39,7 +39,11 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             if prints_here(err):
-                print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+                message = one_line(err)
+                if isinstance(err, OneRankError) and os.environ.get("WORLD_SIZE", "1") != "1" and \
+                        not message.startswith("rank "):
+                    message = f"rank {os.environ.get('RANK', '0')}: {message}"  # which of the job's ranks found it
+                print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
         finally:
             while _cleanups:

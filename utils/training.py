@@ -82,12 +82,15 @@ _SDPA_DEFAULTS = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": tor
                   "math": torch.backends.cuda.math_sdp_enabled()}
 
 
-def select_attention_backend(name, device):
+def select_attention_backend(name, device, half=True):
     """Let scaled_dot_product_attention run only the kernel `name` (sdpa_backend), or torch's own choice ("auto").
-    Why a switch: torch picks per version (on an H100, torch 2.11 picks cuDNN's kernel, 2.5 FlashAttention-2,
-    1.65x slower there); a run on an older torch can ask for the faster one."""
+    Why a switch: torch picks per version (on an H100, torch 2.11 picks cuDNN's kernel; FlashAttention-2 is 1.65x
+    slower there); a run on an older torch can ask for another. `half`: the run's attention sees fp16/bf16."""
     if name in ("cudnn", "efficient") and device.type != "cuda":
         raise UserError(f"--sdpa_backend {name} is a CUDA kernel; on the CPU use auto, flash or math")
+    if name in ("cudnn", "flash") and device.type == "cuda" and not half:
+        raise UserError(f"--sdpa_backend {name} takes fp16/bf16 inputs only; add --amp_mode bf16, or use "
+                        "--sdpa_backend efficient or math for fp32")
     for backend, switch in _SDPA_SWITCHES.items():
         switch(_SDPA_DEFAULTS[backend] if name == "auto" else backend == name)
 
@@ -107,7 +110,8 @@ def start_run(args, params, layout):
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
     device = comm.get_device()
-    select_attention_backend(params.sdpa_backend, device)
+    select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
+    register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = params.cudnn_benchmark
     else:
