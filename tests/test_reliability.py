@@ -267,6 +267,37 @@ def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path,
     assert not os.path.exists(os.path.join(run_dir_of(tmp_path), "run.lock"))
 
 
+def test_disk_full_in_tensorboard_or_the_log_file_is_one_line(small_era5, tmp_path, capsys, monkeypatch):
+    """Writers without a message of their own: TensorBoard's event file filling up stops the run with one line that
+    says the disk is full, naming the file, folder and free space (no traceback); the log file filling up is said
+    once (not a traceback per record) and training goes on."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from utils.logging_utils import OneLineErrorFileHandler
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device", os.path.join(self.log_dir, "events.out.tfevents.1"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SummaryWriter, "add_scalar", full_disk)
+        fails_with(capsys, tiny(small_era5, tmp_path / "tb", "--num_iters", "2"),
+                   r"writing '.*logs/events\.out\.tfevents\.1' failed: the disk is full or over its quota \(No space "
+                   r"left on device; [0-9.]+ GB free in '.*logs'\); free disk space")
+
+    def full_disk_write(self, record):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            self.handleError(record)
+
+    monkeypatch.setattr(OneLineErrorFileHandler, "emit", full_disk_write)
+    train.main(tiny(small_era5, tmp_path / "log", "--num_iters", "2"))
+    errors = [line for line in capsys.readouterr().err.splitlines() if "Logging error" in line or "error:" in line]
+    assert len(errors) == 1 and re.match(r"error: writing '.*out\.log' failed: the disk is full .*; logging goes on "
+                                         r"to the console only", errors[0]), errors
+    assert os.path.isfile(os.path.join(run_dir_of(tmp_path / "log"), "checkpoints", "ckpt.pt"))
+
+
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, tmp_path, capsys):
     """Zeroed or cut short, the newest checkpoint is reported in one line and the run goes on from the one
     before it, to the same weights as an uninterrupted run; with both damaged the run stops (never silently from

@@ -5,14 +5,10 @@ Write to `<path>.tmp`, fsync it, rename it over `path` (atomic on POSIX), fsync 
 content. Every writer in the project goes through `atomic_path`.
 """
 import contextlib
-import errno
 import json
 import os
-import shutil
 
-from utils.errors import UserError
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+from utils.errors import DISK_FULL, UserError, free_space
 
 
 def _fsync(path, directory=False):
@@ -45,14 +41,6 @@ def atomic_path(path, keep_previous=None):
             os.remove(tmp_path)
         raise
     _fsync(folder, directory=True)
-
-
-def free_space(folder):
-    """The free space of the file system holding `folder`, in words ('12.3 GB free'), for error messages."""
-    try:
-        return f"{shutil.disk_usage(folder).free / 1e9:.1f} GB free"
-    except OSError:
-        return "free space unknown"
 
 
 def write_bytes(path, data):

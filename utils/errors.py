@@ -1,10 +1,13 @@
 """User mistakes end in one clear line and a non-zero exit, never a traceback; one line per job, not one per rank."""
 import argparse
+import errno
 import functools
 import os
+import shutil
 import sys
 
 _cleanups = []
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def register_cleanup(function):
@@ -37,6 +40,12 @@ def exit_on_user_error(main):
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...)
+            print(f"error: {disk_full(err)}", file=sys.stderr, flush=True)
+            sys.exit(2)
         except UserError as err:
             if prints_here(err):
                 message = one_line(err)
@@ -50,6 +59,24 @@ def exit_on_user_error(main):
                 _cleanups.pop()()
 
     return wrapper
+
+
+def free_space(folder):
+    """The free space of the file system holding `folder`, in words ('12.3 GB free'), for error messages."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 1e9:.1f} GB free"
+    except OSError:
+        return "free space unknown"
+
+
+def disk_full(err):
+    """A full disk (or quota) that `err` (an OSError) reports, in one sentence naming the file, folder and free
+    space."""
+    path = os.path.abspath(err.filename) if err.filename else None
+    folder = os.path.dirname(path) if path else os.getcwd()
+    what = f"writing '{path}'" if path else "a write"
+    return (f"{what} failed: the disk is full or over its quota ({err.strerror}; {free_space(folder)} in "
+            f"'{folder}'); free disk space (or raise the quota), or write elsewhere (--expdir)")
 
 
 def one_line(err):
