@@ -38,9 +38,9 @@ def assert_same_run(run_dir, reference_dir):
         torch.testing.assert_close(checkpoint["model"][name], weight, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def start_and_signal(command, log_path, signum, nproc=1):
-    """Start `command` (through torchrun when nproc > 1), send `signum` to it as soon as its training loop has
-    started, and return (exit code, its output). The runs are long enough for the signal to land mid-run."""
+def start_command(command, log_path, nproc=1, **popen):
+    """`command` started (through torchrun when nproc > 1) on the CPU, its output to `log_path` (a file, not a pipe:
+    a full pipe would stall the ranks' logging)."""
     # the threads run_command gives the same command (another count sums in another order)
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
                CUDA_VISIBLE_DEVICES="")
@@ -48,8 +48,15 @@ def start_and_signal(command, log_path, signum, nproc=1):
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would stall the ranks' logging
-        process = subprocess.Popen(launcher + command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(launcher + command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                **popen)
+
+
+def start_and_signal(command, log_path, signum, nproc=1):
+    """Start `command` (through torchrun when nproc > 1), send `signum` to it as soon as its training loop has
+    started, and return (exit code, its output). The runs are long enough for the signal to land mid-run."""
+    process = start_command(command, log_path, nproc)
     deadline = time.time() + 120
     while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
         assert process.poll() is None, log_path.read_text()[-3000:]
@@ -176,16 +183,7 @@ def test_a_dali_worker_ignores_every_stop_signal_but_its_loaders_sigterm():
 
 def start_in_own_group(command, log_path, nproc=1):
     """Start `command` (through torchrun when nproc > 1) as the leader of a new process group, as a job step is."""
-    # the threads run_command gives the same command (another count sums in another order)
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-               CUDA_VISIBLE_DEVICES="")
-    env.pop("WORLD_SIZE", None)
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-    with open(log_path, "w") as log:
-        return subprocess.Popen(launcher + command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return start_command(command, log_path, nproc, start_new_session=True)
 
 
 def children(pid):
