@@ -150,8 +150,8 @@ def get_device():
     expected = gpus_expected()
     if expected:
         raise OneRankError(f"{expected}, but PyTorch cannot use a GPU ({_why_no_cuda()}); load the tutorial's "
-                        "container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= (empty) to run "
-                        "on the CPU on purpose")
+                           "container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= (empty) to "
+                           "run on the CPU on purpose")
     return torch.device("cpu")
 
 

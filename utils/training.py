@@ -215,7 +215,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     checkpoint, path = run.checkpoint, run.resume_path
     run.checkpoint = None  # free the memory once restored
     if checkpoint is None:
-        signals.stop_before_training("start-up")
+        signals.stop_before_training("the data loaders' start and the model's build")
         return 0, None
     load_model(model, checkpoint["model"], path)
     (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
