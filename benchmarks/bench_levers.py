@@ -24,6 +24,7 @@ from benchmarks.common import device_name
 from loaders import common as loader_common
 from loaders import get_data_loader
 from networks import get_model, vit
+from utils import comm
 from utils.atomic import write_json
 from utils.benchy import endless_batches
 from utils.cli import apply_overrides, training_parser
@@ -88,7 +89,6 @@ class Step:
 
     def __init__(self, params, device):
         torch.manual_seed(0)
-        self.device = device
         self.model = get_model(params).to(device)
         self.optimizer = get_optimizer(params, self.model)
         self.loss_fn = get_loss(params)
@@ -105,13 +105,11 @@ class Step:
 def ms_per_step(run_one, steps, warmup, device):
     for _ in range(warmup):
         run_one()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    comm.synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         run_one()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    comm.synchronize(device)
     return 1000 * (time.perf_counter() - start) / steps
 
 

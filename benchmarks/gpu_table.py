@@ -95,7 +95,7 @@ def log(message):
     print(f"[gpu-table {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def cannot_run(name, script, flags):
+def cannot_run(script, flags):
     """Why a row cannot run on this machine, or None."""
     if script == "train_graph.py" and not torch.cuda.is_available():
         return "CUDA Graphs need a CUDA GPU"
@@ -128,7 +128,8 @@ def check_targets(rows):
 def run_levers(era5_dir, work, tiny):
     """benchmarks/bench_levers.py in its own process: each lever of the ViT step on its own; its JSON, or the error."""
     out = os.path.join(work, "levers.json")
-    workers, note = workers_that_fit(["--num_data_workers", "8"], tiny, shm_free_bytes())  # (one ring: it fits)
+    # the levers' one loader holds one ring: workers_that_fit counts two, so what it allows fits
+    workers, note = workers_that_fit(["--num_data_workers", "8"], tiny, shm_free_bytes())
     command = [sys.executable, "-m", "benchmarks.bench_levers", "--data_dir", era5_dir, "--out", out,
                "--workers", workers[-1], *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else [])]
     if note:
@@ -181,7 +182,7 @@ def main(argv=None):
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 2, "nwarmup": 1}
     for name in args.rows.split(","):
         label, yaml, config, dataset, script, flags = ROWS[name]
-        reason = cannot_run(name, script, flags)
+        reason = cannot_run(script, flags)
         if reason:
             report["rows"][name] = {"ok": False, "skipped": reason}
             log(f"{label}: not run ({reason})")

@@ -198,11 +198,8 @@ class StreamLog:
 def run_on_logged_streams(loader, on_device, log):
     """One epoch through `_host_pass` and `on_device` (the tensors stay on the CPU), logging each host read and each
     batch handed to the loop; returns the batches."""
-    loader.set_epoch(0)
-    next(iter(loader), None)  # start the workers
-    loader.set_epoch(0)
-    loader.batches, loader.position = iter(loader.loader), (0, 0)
     loader.loader.batch_sampler.start = (0, 0)
+    loader.batches, loader.position = iter(loader.loader), (0, 0)  # the stream of epoch 0 (starts the workers)
 
     def logged_host():
         for n, batch in enumerate(loader._host_pass(len(loader))):
