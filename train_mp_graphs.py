@@ -33,6 +33,7 @@ from utils.benchy import run_benchmarks
 from utils.cli import model_parallel_parser
 from utils.errors import exit_on_user_error
 from utils.flops import Peak, train_flops_per_sample
+from utils.layout import Layout
 from utils.loss import get_loss
 from utils.metrics import get_train_metrics, get_valid_metrics
 from utils.optim import get_lr_scheduler, get_optimizer
@@ -62,11 +63,10 @@ def main(argv=None):
     parser = model_parallel_parser(__doc__.splitlines()[0])  # + layout and memory flags (utils/cli.py)
     args = parser.parse_args(argv)
     params = load_config(args)
-    # the tp x cp x dp grid: groups "tp", "cp", "tp-cp", "dp", "dp-cp"; dp = world / (tp * cp)
-    params.update({"tp": args.tensor_parallel, "cp": args.context_parallel, "order": args.parallel_order,
-                   "sequence_parallel": args.sequence_parallel})
-    comm.init(params, rendezvous_timeout=args.dist_timeout)
-    run = start_run(args, params, layout=f"{args.tensor_parallel * args.context_parallel}MP")
+    # one Layout, checked once: the tp x cp x dp grid (dp = world / (tp * cp)) and the memory switches (utils/layout.py)
+    layout = Layout.from_flags(args, comm.world_size_to_be())
+    comm.init(layout, rendezvous_timeout=args.dist_timeout)
+    run = start_run(args, params, layout=f"{layout.model_parallel}MP")
     device = run.device
     cuda_graphs.check_support(params, args, device, script=__file__)
 
@@ -91,12 +91,12 @@ def main(argv=None):
         init_params_for_shared_weights(model)  # copies of shared weights equal across the model-parallel group
     logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in model.parameters()):,}")
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
-    logging.info(predicted_memory_line(params, args, comm.get_size("dp")))  # to check against the line at i == 1
+    logging.info(predicted_memory_line(params, layout, ddp=not args.noddp))  # to check against the line at i == 1
 
     stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
     cuda_graphs.enter_stream(stream)  # the wrap is the eager script's; check_support refused --enable_jit (and dp)
     # wrap for data parallelism over "dp"
-    model = parallelize(model, args, device, params)  # checkpointing, then DDP or FSDP: distributed/parallelize.py
+    model = parallelize(model, layout, args, device, params)  # checkpointing, then DDP or FSDP (distributed/)
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
     cuda_graphs.leave_stream(stream)

@@ -18,11 +18,11 @@ import json
 import math
 
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.layout import Layout
 from utils.perf_model import (
     GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
-    Layout,
     ViTShape,
     flops_per_sample,
     parameters_per_rank,
@@ -31,7 +31,7 @@ from utils.perf_model import (
 from utils.YParams import YParams
 
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
-# the published runs (FACTS A23: the original's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
+# the published runs (the original tutorial's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
 # " Memory usage after forward pass" line (GB; None: not published)
 PUBLISHED = [
     ("short", "A100-40GB", Layout(), "bf16", 53.6, None),  # DALI + AMP bf16, one GPU, steady epochs
@@ -71,17 +71,10 @@ def read_config(args):
     return ViTShape.from_params(params), params.global_batch_size, args.amp_mode or params.get("amp_mode", "none")
 
 
-def check_layout(shape, layout, global_batch):
-    """One line naming what does not divide, or None."""
-    if shape.num_heads % layout.tp or shape.hidden % layout.tp:
-        return f"tp={layout.tp} does not divide the {shape.num_heads} attention heads (or the MLP's {shape.hidden})"
-    if layout.cp > shape.tokens:
-        return f"cp={layout.cp} is more than the {shape.tokens} tokens"
-    if global_batch % layout.dp:
-        return f"the global batch {global_batch} does not divide over dp={layout.dp}"
-    if layout.sequence_parallel and layout.tp == 1:
-        return "--sequence_parallel needs --tensor_parallel > 1"
-    return None
+def refusal(shape, layout, global_batch):
+    """The line train_mp.py would refuse this layout with (utils/layout.py's rules), or None."""
+    return layout.refusal(num_heads=shape.num_heads, mlp_hidden=shape.hidden, tokens=shape.tokens,
+                          global_batch=global_batch)
 
 
 def sbatch_line(config, layout, amp_mode=None):
@@ -106,7 +99,8 @@ def layouts_of(gpus, args):
                 if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
                         (args.fsdp and not fsdp):
                     continue
-                yield Layout(tp, cp, gpus // (tp * cp), sp, ac, fsdp, args.parallel_order)
+                yield Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=sp,
+                                       checkpointing=ac, fsdp=fsdp)
 
 
 def plan(shape, system, gpus, global_batch, amp_mode, args):
@@ -114,7 +108,7 @@ def plan(shape, system, gpus, global_batch, amp_mode, args):
     None divides: one line."""
     found, divides, first_problem = [], False, None
     for layout in layouts_of(gpus, args):
-        problem = check_layout(shape, layout, global_batch)
+        problem = refusal(shape, layout, global_batch)
         if problem:
             first_problem = first_problem or problem
             continue
@@ -166,8 +160,8 @@ def print_published(as_json):
     """README's table: predicted samples/s and peak memory against the published runs. The published memory is the
     line " Memory usage after forward pass", NVML's used memory at the second step: by then the allocator's cache
     holds the first step's peak, so it is read against the predicted peak (plus the runtime overhead)."""
-    print("| run (published: FACTS A23) | GPUs | samples/s predicted / published | memory, GB: predicted peak / "
-          "published |")
+    print("| run (published in the original tutorial's README) | GPUs | samples/s predicted / published | "
+          "memory, GB: predicted peak / published |")
     print("|---|---|---|---|")
     found = []
     for config, gpu, layout, amp, row, speed, memory in against_published():
@@ -216,9 +210,6 @@ def main(argv=None):
     gpus = args.gpus if args.gpus is not None else tp * cp
     if gpus < 1 or (gpus > 4 and gpus % 4):
         raise UserError(f"--gpus {gpus}: give 1 to 4 GPUs or whole nodes of 4 (submit_pm_mp.sh runs 4 ranks a node)")
-    if gpus % (tp * cp):
-        raise UserError(f"tp x cp = {tp} x {cp} does not divide --gpus {gpus}; choose sizes whose product divides "
-                        "the GPUs")
     header = (f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
               f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
               f"{flops_per_sample(shape) / 1e12:.2f} TFLOP per sample (forward + backward); global batch "
@@ -234,9 +225,9 @@ def main(argv=None):
             print(f"... and {len(rows) - args.top} slower layouts that fit (--top N, or --json for all)")
         result = {"gpus": gpus, "system": system.name, "config": args.config, "layouts": rows}
     else:
-        layout = Layout(tp, cp, gpus // (tp * cp), args.sequence_parallel, args.activation_checkpointing, args.fsdp,
-                        args.parallel_order)
-        problem = check_layout(shape, layout, global_batch)
+        layout = Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=args.sequence_parallel,
+                                  checkpointing=args.activation_checkpointing, fsdp=args.fsdp)
+        problem = refusal(shape, layout, global_batch)
         if problem:
             raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
         result = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)

@@ -2,8 +2,8 @@
 
 1. tensor, sequence and context parallelism: already in the model (networks/vit.py swaps in the layers of
    layers.py);
-2. activation checkpointing (`--activation_checkpointing`): each transformer block keeps only its input for the
-   backward pass and recomputes its forward there;
+2. activation checkpointing (`--activation_checkpointing`, the layout's `checkpointing`): each transformer
+   block keeps only its input for the backward pass and recomputes its forward there;
 3. data parallelism over "dp", one of:
    - DDP (the default): whole weights, gradients and Adam moments on every dp rank; its comm hook also sums the
      gradients of cp-shared weights over "cp" (mappings.init_ddp_model_and_reduction_hooks);
@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 from distributed.mappings import init_ddp_model_and_reduction_hooks, reduce_marked_gradients
 from utils import comm
 from utils.compat import fsdp_api
-from utils.errors import UserError
 
 PRESERVE_RNG_STATE = True  # the recomputed forward replays the dropout masks of the first (tests switch it off)
 SUM_GRADIENT_SHARDS = True  # FSDP: the cp/tp sums of the marked gradients before each step (tests switch it off)
@@ -90,20 +89,16 @@ def sum_marked_gradient_shards(optimizer, args, kwargs):
         reduce_marked_gradients(*zip(*sharded))
 
 
-def parallelize(model, args, device, params):
-    """The model with activation checkpointing (if asked for), then wrapped for data parallelism (if distributed and
-    not --noddp): DDP, or FSDP with --fsdp (in place, the same module). The unwrapped model stays what checkpoints
-    hold; build the optimizer on it after this call."""
-    if args.fsdp and args.noddp:
-        raise UserError("--fsdp replaces DDP: drop --noddp (or --fsdp)")
-    if args.fsdp and params.get("enable_nhwc"):
-        raise UserError("--fsdp shards contiguous parameters, and enable_nhwc makes the patch embedding's weight "
-                        "channels_last; add --no-enable_nhwc (or drop --fsdp)")
-    if args.activation_checkpointing:
+def parallelize(model, layout, args, device, params):
+    """The model with activation checkpointing (if the layout asks for it), then wrapped for data parallelism (if
+    distributed and not --noddp): DDP, or FSDP when the layout asks for it (in place, the same module). The
+    unwrapped model stays what checkpoints hold; build the optimizer on it after this call."""
+    layout.check(noddp=args.noddp, channels_last=bool(params.get("enable_nhwc")))  # what FSDP cannot combine with
+    if layout.checkpointing:
         checkpoint_blocks(model.blocks)
-    if args.fsdp and comm.get_world_size() == 1:
+    if layout.fsdp and comm.get_world_size() == 1:
         logging.info("--fsdp on one rank: nothing to shard, the model stays whole")
-    if comm.get_world_size() > 1 and args.fsdp:
+    if comm.get_world_size() > 1 and layout.fsdp:
         return shard_fully(model, device, params)
     if comm.get_world_size() > 1 and not args.noddp:
         device_ids = [device.index] if device.type == "cuda" else None

@@ -57,3 +57,10 @@ def get_data_loader(params, train):
         raise UserError(f"data_loader_config '{config}' is unknown for {DATASET_NAMES[dataset]}; choose one of: "
                         f"{choices}")
     return build(params, train)
+
+
+def get_data_loader_distributed(params, train):
+    """The original tutorial's name for it (its utils/__init__.py): the loader of the training (train=True) or
+    validation split, sharded over the data-parallel ranks, with the interface of loaders/common.py (iterate an
+    epoch, len(), set_epoch(epoch, skip), sample_shape, first_batch(), describe(epoch, step))."""
+    return get_data_loader(params, train)

@@ -2,12 +2,13 @@
 from utils.errors import UserError
 
 
-def get_model(params):
-    """Build the network named by `params.model` (default 'vit')."""
+def get_model(params, layout=None):
+    """Build the network named by `params.model` (default 'vit'); the ViT is split as `layout` says (default: this
+    run's, utils/layout.py)."""
     name = params.get("model", "vit")
     if name == "vit":
         from networks.vit import ViT
-        return ViT(params)
+        return ViT(params, layout)
     if name == "unet":
         from networks.UNet import UNet
         return UNet(params)

@@ -181,8 +181,22 @@ class VisionTransformer(nn.Module):
         return x.reshape(B, self.out_chans, self.h * p, self.w * p)
 
 
-def check_vit_params(params):
-    """Refuse shapes the ViT cannot take, with a sentence that says which numbers to change."""
+def mlp_hidden(params):
+    """Each block's MLP hidden width, as Block computes it."""
+    return int(params.embed_dim * params.get("mlp_ratio", MLP_RATIO))
+
+
+def layout_facts(params):
+    """What the layout's rules need to know of this ViT (utils/layout.py): heads and MLP width split over tp,
+    tokens over cp, and dropout (refused with cp or sequence parallelism)."""
+    img_h, img_w = params.img_size
+    return {"num_heads": params.num_heads, "mlp_hidden": mlp_hidden(params),
+            "tokens": (img_h // params.patch_size) * (img_w // params.patch_size), "dropout": params.dropout}
+
+
+def check_vit_params(params, layout):
+    """Refuse shapes the ViT cannot take, or cannot split as `layout` asks, with a sentence that says which numbers
+    to change."""
     img_h, img_w = params.img_size
     if img_h % params.patch_size or img_w % params.patch_size:
         raise UserError(f"img_size {list(params.img_size)} is not divisible by patch_size "
@@ -190,28 +204,17 @@ def check_vit_params(params):
     if params.embed_dim % params.num_heads:
         raise UserError(f"embed_dim {params.embed_dim} is not divisible by num_heads "
                         f"{params.num_heads}; choose num_heads that divides embed_dim")
-    tp, cp = comm.get_size("tp"), comm.get_size("cp")
-    if params.get("sequence_parallel") and params.get("tp", 1) < 2:  # the layout asked for, also under serial_layout
-        raise UserError("--sequence_parallel splits the tokens over the tensor-parallel group; it needs "
-                        "--tensor_parallel 2 or more")
-    if cp > 1 and float(params.dropout) > 0:
-        raise UserError(f"dropout {params.dropout} with context parallelism (cp = {cp}) would draw different masks "
-                        "for the chunks of one sample on each cp rank; set dropout: 0 for cp > 1")
-    if params.get("sequence_parallel") and float(params.dropout) > 0:
-        raise UserError(f"dropout {params.dropout} with --sequence_parallel would draw different masks for the "
-                        "tokens of one sample on each tp rank; set dropout: 0, or leave out --sequence_parallel")
-    if tp * cp > 1:  # heads and MLP width split over tp, tokens over cp
-        mlp_hidden = int(params.embed_dim * params.get("mlp_ratio", MLP_RATIO))  # as Block computes it
-        comm.validate_grid(comm.get_world_size(), tp, cp, num_heads=params.num_heads, mlp_hidden=mlp_hidden,
-                           seq_len=(img_h // params.patch_size) * (img_w // params.patch_size))
+    layout.check(**layout_facts(params))
 
 
-def ViT(params):
-    """The ViT described by a config (img_size, patch_size, embed_dim, depth, num_heads, ...)."""
-    check_vit_params(params)
+def ViT(params, layout=None):
+    """The ViT described by a config (img_size, patch_size, embed_dim, depth, num_heads, ...), split as `layout` says
+    (default: this run's, comm.get_layout())."""
+    layout = layout or comm.get_layout()
+    check_vit_params(params, layout)
     dropout = float(params.dropout)
     return VisionTransformer(img_size=params.img_size, patch_size=params.patch_size,
                              in_chans=params.n_in_channels, out_chans=params.n_out_channels,
                              embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
                              mlp_ratio=params.get("mlp_ratio", MLP_RATIO), drop_rate=dropout, attn_drop_rate=dropout,
-                             drop_path_rate=dropout, sequence_parallel=params.get("sequence_parallel", False))
+                             drop_path_rate=dropout, sequence_parallel=layout.sequence_parallel)

@@ -1,10 +1,9 @@
-"""Process groups for model parallelism: the rank layout (utils/rank_generator.py), the size checks and group
-building of utils/comm.py, and the notebook utils/check_rank_generator.ipynb.
+"""Process groups for model parallelism: the rank layout (utils/rank_generator.py), the group building of
+utils/comm.py, and the notebook utils/check_rank_generator.ipynb (the layout's rules: test_parallel_layout.py).
 
 A failure in the RankGenerator tests points to the order semantics (the first name of the order must vary
-fastest); in the validate_grid tests to a size check or its message; in the spawned test to comm.init's group
-building (a rank keeping the wrong group, or ranks calling new_group in different orders); in the notebook test
-to the notebook or its kernel setup.
+fastest); in the spawned test to comm.init's group building (a rank keeping the wrong group, or ranks calling
+new_group in different orders); in the notebook test to the notebook or its kernel setup.
 """
 import itertools
 import math
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 from tests.conftest import REPO_ROOT, as_spawned_rank, free_port
 from utils import comm
 from utils.errors import UserError
+from utils.layout import Layout
 from utils.rank_generator import RankGenerator
 
 GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")
@@ -114,37 +114,12 @@ def test_rank_offset_and_partition():
             assert {len(ranks) for ranks in lists} == {math.prod(sizes[n] for n in name.split("-"))}
 
 
-# --- validate_grid: one line per impossible layout -----------------------------------------------------------
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=4, tp=0, cp=1), r"^tp is 0; give a whole number of ranks, at least 1"),
-    (dict(world_size=4, tp=1, cp=1.5), r"^cp is 1\.5; "),
-    (dict(world_size=6, tp=2, cp=2), r"^tp x cp = 2 x 2 = 4 does not divide the world size 6 .*launch a multiple "
-                                     r"of 4 ranks, or choose tp and cp whose product divides 6$"),
-    (dict(world_size=8, tp=4, cp=1, num_heads=6), r"^num_heads 6 does not divide by tp = 4 .*divisors of 6"),
-    (dict(world_size=8, tp=4, cp=1, mlp_hidden=1022), r"^the MLP hidden width 1022 does not divide by tp = 4"),
-    (dict(world_size=8, tp=1, cp=8, seq_len=4), r"^the sequence has 4 patches, fewer than cp = 8 .*lower cp"),
-])
-def test_validate_grid_refuses_in_one_line(kwargs, message):
-    """Each impossible layout is one UserError line saying what to change. A failure: a check missing, or a
-    message that changed (the README quotes them)."""
-    with pytest.raises(UserError, match=message) as err:
-        comm.validate_grid(**kwargs)
-    assert "\n" not in str(err.value)
-
-
-def test_validate_grid_accepts_and_returns_dp():
-    """Layouts that work pass, and the data-parallel size is what is left of the world."""
-    assert comm.validate_grid(8, 2, 2, num_heads=8, mlp_hidden=3072, seq_len=2) == 2
-    assert comm.validate_grid(1, 1, 1) == 1
-
-
 def test_init_on_one_process_gives_sizes_1_and_refuses_tp2(monkeypatch):
     """Without WORLD_SIZE every size is 1 and every rank 0; tp=2 on one process is refused before anything
     starts. A failure: init no longer works for a single process (train.py on a laptop)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert comm.init({"tp": 1, "cp": 1, "order": "cp-tp-dp"}, rendezvous_timeout=5) == (1, 0, 0)
-    assert comm.get_grid() == {"dp": 1, "tp": 1, "cp": 1, "order": "cp-tp-dp-pp"}
+    assert comm.get_layout() == Layout(order="cp-tp-dp")
     assert [comm.get_size(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [1] * 7
     assert [comm.get_rank(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [0] * 7
     with pytest.raises(UserError, match="does not divide the world size 1"):
@@ -170,7 +145,7 @@ def _report_groups(rank, port, results):
         members = {name: dist.get_process_group_ranks(comm.get_group(name)) for name in GROUP_TYPES}
         positions = {name: (comm.get_size(name), comm.get_rank(name)) for name in GROUP_TYPES}
         tp_sum = comm.all_reduce_sum(torch.tensor([float(rank)]), "tp").item()
-        report[order] = (members, positions, tp_sum, comm.get_grid())
+        report[order] = (members, positions, tp_sum, comm.get_layout())
     results[rank] = report
     comm.destroy()
 
@@ -186,7 +161,7 @@ def test_init_builds_the_groups_of_each_order():
         generator = RankGenerator(tp=2, dp=1, pp=1, cp=2, order=order)
         for rank in range(4):
             members, positions, tp_sum, grid = results[rank][order]
-            assert grid == {"dp": 1, "tp": 2, "cp": 2, "order": order + "-pp"}
+            assert grid == Layout(tp=2, cp=2, dp=1, order=order)
             for name in GROUP_TYPES:
                 (expected,) = [ranks for ranks in generator.get_ranks(name) if rank in ranks]
                 assert members[name] == expected, (order, rank, name)

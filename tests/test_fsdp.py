@@ -49,9 +49,10 @@ def test_what_fsdp_does_not_combine_with_is_one_line(noddp, nhwc, message):
     from utils.YParams import YParams
     params = YParams("config/ViT.yaml", "tiny")
     params.update({"enable_nhwc": nhwc})
-    args = SimpleNamespace(fsdp=True, noddp=noddp, activation_checkpointing=False)
+    from utils.layout import Layout
+    args = SimpleNamespace(noddp=noddp)
     with pytest.raises(UserError, match=message):
-        parallelize(torch.nn.Linear(2, 2), args, torch.device("cpu"), params)
+        parallelize(torch.nn.Linear(2, 2), Layout(fsdp=True), args, torch.device("cpu"), params)
 
 
 def _sharded_rank(rank, world, port, found):

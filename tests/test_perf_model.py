@@ -13,6 +13,7 @@ A failure points to utils/perf_model.py, or to a change of networks/vit.py, dist
 model has not followed.
 """
 import collections
+import dataclasses
 import json
 import os
 
@@ -25,6 +26,7 @@ from networks import get_model
 from tests.conftest import REPO_ROOT, as_spawned_rank, free_port
 from utils import comm
 from utils.flops import train_flops_per_sample
+from utils.layout import Layout
 from utils.perf_model import (
     ViTShape,
     block_flops_per_sample,
@@ -94,9 +96,9 @@ def test_parameters_and_states_per_rank_are_the_measured_ones(bench, config):
     tensors (FSDP: its shards)."""
     shape = ViTShape.from_params(YParams("config/ViT.yaml", config))
     for row in json.load(open(os.path.join("bench_results", bench)))["rows"]:
-        layout = {"tp": row["tp"], "cp": row["cp"], "dp": row["dp"], "fsdp": "--fsdp" in row["flags"]}
-        assert parameters_per_rank(shape, **layout) == row["params_held_per_rank"], row["layout"]
-        states = state_bytes_per_rank(shape, **layout)
+        layout = Layout(tp=row["tp"], cp=row["cp"], dp=row["dp"], fsdp="--fsdp" in row["flags"])
+        assert parameters_per_rank(shape, layout) == row["params_held_per_rank"], row["layout"]
+        states = state_bytes_per_rank(shape, layout)
         for key, column in (("parameters", "parameters_mb"), ("gradients", "gradients_mb"),
                             ("optimizer_state", "adam_state_mb")):
             assert states[key] / 1e6 == pytest.approx(row[column], rel=1e-9), (row["layout"], key)
@@ -117,7 +119,7 @@ def test_saved_activations_are_the_measured_ones(config, half, checkpointing):
     with SavedActivations(model) as saved, torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
         model(torch.randn(batch, params.n_in_channels, *params.img_size))
     shape = ViTShape.from_params(params)
-    predicted = saved_activation_bytes(shape, batch, half=half, checkpointing=checkpointing)
+    predicted = saved_activation_bytes(shape, batch, half, Layout(checkpointing=checkpointing))
     assert predicted == pytest.approx(saved.nbytes, rel=0.05)
     if half and not checkpointing:  # the twin: q, k and v sharing one cast of the norm's output
         one_cast = predicted - batch * shape.depth * 2 * 2 * shape.tokens * shape.embed_dim
@@ -150,9 +152,9 @@ def test_saved_activations_of_every_measured_layout(bench, config, half):
     for row in doc["rows"]:
         if "--fsdp" in row["flags"] and half:
             continue  # FSDP's 16-bit policy runs the whole forward in bf16: not modelled
-        predicted = saved_activation_bytes(shape, row["local_batch_size"], half=half, tp=row["tp"], cp=row["cp"],
-                                           sequence_parallel="--sequence_parallel" in row["flags"],
-                                           checkpointing="--activation_checkpointing" in row["flags"])
+        layout = Layout(tp=row["tp"], cp=row["cp"], sequence_parallel="--sequence_parallel" in row["flags"],
+                        checkpointing="--activation_checkpointing" in row["flags"])
+        predicted = saved_activation_bytes(shape, row["local_batch_size"], half, layout)
         assert predicted / 1e6 == pytest.approx(row["saved_activations_mb"], rel=0.05), row["layout"]
         checked += 1
     assert checked >= 6
@@ -197,14 +199,14 @@ def _count_collectives(rank, world, ports, layouts, found):
                 names.setdefault(comm.get_group(name), name)
         for label, sequence_parallel, checkpointing, fsdp, half in runs:
             params = vit_params("tiny")
-            params.update({"sequence_parallel": sequence_parallel, "tp": grid["tp"], "amp_enabled": half,
-                           "amp_dtype": torch.bfloat16 if half else torch.float32})
+            params.update({"amp_enabled": half, "amp_dtype": torch.bfloat16 if half else torch.float32})
+            layout = dataclasses.replace(comm.get_layout(), sequence_parallel=sequence_parallel,
+                                         checkpointing=checkpointing, fsdp=fsdp)
             torch.manual_seed(0)
-            model = get_model(params)
+            model = get_model(params, layout)
             init_params_for_shared_weights(model)
-            args = SimpleNamespace(fsdp=fsdp, noddp=False, activation_checkpointing=checkpointing, bucket_cap_mb=25,
-                                   disable_broadcast_buffers=False)
-            model = parallelize(model, args, torch.device("cpu"), params)
+            args = SimpleNamespace(noddp=False, bucket_cap_mb=25, disable_broadcast_buffers=False)
+            model = parallelize(model, layout, args, torch.device("cpu"), params)
             optimizer = torch.optim.Adam(model.parameters())
             for _ in range(2):  # a warm-up step, then the one counted
                 counts.clear()
@@ -246,13 +248,13 @@ def test_comm_bytes_per_step_are_what_the_collectives_move():
     shape = ViTShape.from_params(vit_params("tiny"))
     assert len(found) == sum(len(runs) for _, runs in layouts)
     for label, (grid, sequence_parallel, checkpointing, fsdp, half, by_op) in found.items():
-        kwargs = {"tp": grid["tp"], "cp": grid["cp"], "dp": 4 // (grid["tp"] * grid["cp"]),
-                  "sequence_parallel": sequence_parallel, "half": half}
+        layout = Layout.for_world(4, grid["tp"], grid["cp"], sequence_parallel=sequence_parallel,
+                                  checkpointing=checkpointing, fsdp=fsdp)
+        twin_layout = dataclasses.replace(layout, checkpointing=not checkpointing, fsdp=not fsdp)
         counts, predicted_by_op = collections.Counter(), collections.Counter()
         for (name, _), value in by_op.items():
             counts[name] += value
-        for name, op, value, when in collectives_per_step(shape, 2, checkpointing=checkpointing, fsdp=fsdp,
-                                                          **kwargs):
+        for name, op, value, when in collectives_per_step(shape, 2, layout, half=half):
             if op == "reduce_scatter" and when == "activations":
                 op = "all_reduce"  # gloo has none: distributed.helpers.reduce_scatter sums and slices on gloo
             predicted_by_op[name, op] += value
@@ -260,9 +262,9 @@ def test_comm_bytes_per_step_are_what_the_collectives_move():
                  if predicted_by_op.get(key) != pytest.approx(value, rel=0.01)]
         assert sorted(predicted_by_op) == sorted(by_op) and not wrong, (label, wrong)
         predicted = {name: value for name, value in
-                     comm_bytes_per_step(shape, 2, checkpointing=checkpointing, fsdp=fsdp, **kwargs).items() if value}
+                     comm_bytes_per_step(shape, 2, layout, half=half).items() if value}
         assert sorted(predicted) == sorted(counts), label
         for name, value in counts.items():
             assert predicted[name] == pytest.approx(value, rel=0.01), (label, name)
-        twin = comm_bytes_per_step(shape, 2, checkpointing=not checkpointing, fsdp=not fsdp, **kwargs)
+        twin = comm_bytes_per_step(shape, 2, twin_layout, half=half)
         assert any(twin[name] != pytest.approx(value, rel=0.01) for name, value in counts.items()), label

@@ -1,9 +1,9 @@
 """The performance model's time and memory (utils/perf_model.predict) and the layout planner (benchmarks/plan.py):
 
-- the published GPU runs (FACTS A23, A100 on Perlmutter): samples/s within 25% and the memory line within 15% (of
-  the predicted peak: the line reads NVML at the second step, when the allocator's cache holds the first step's
-  peak), every row with the same constants; the twins (tensor parallelism's collectives free, the runtime overhead
-  left out) miss;
+- the published GPU runs (the original tutorial's README, A100 on Perlmutter): samples/s within 25% and the memory
+  line within 15% (of the predicted peak: the line reads NVML at the second step, when the allocator's cache holds
+  the first step's peak), every row with the same constants; the twins (tensor parallelism's collectives free, the
+  runtime overhead left out) miss;
 - the planner's obvious truths: a layout that cannot fit is never listed (the published "OOM on 40 GB" layout is
   missing on A100-40GB and listed on A100-80GB); more GPUs never predicted slower for the same layout per GPU; tp
   across nodes predicted slower than tp inside a node (and the same when the NIC is as fast as NVLink);
@@ -20,7 +20,8 @@ import pytest
 from benchmarks import plan
 from tests.conftest import REPO_ROOT
 from utils import perf_model
-from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, Layout, ViTShape, predict
+from utils.layout import Layout
+from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
 from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -35,7 +36,7 @@ def published_rows():
 
 
 def test_the_published_runs_are_predicted_within_the_targets(capsys):
-    """FACTS A23's three runs, as `make plan ARGS=--published` prints them for README."""
+    """The three published runs, as `make plan ARGS=--published` prints them for README."""
     checked = 0
     assert len(plan.print_published(False)) == 3 and capsys.readouterr().out.count("x A100") == 3
     for row, speed, memory in published_rows():
@@ -88,7 +89,7 @@ def test_more_gpus_are_never_predicted_slower_for_the_same_layout_per_gpu(tp, cp
     shape = shape_of("mp")
 
     def speeds(system):
-        return [predict(shape, system, Layout(tp, cp, dp, **flags), 16 * dp, "bf16")["samples_per_sec"]
+        return [predict(shape, system, Layout(tp=tp, cp=cp, dp=dp, **flags), 16 * dp, "bf16")["samples_per_sec"]
                 for dp in (1, 2, 4, 8, 16, 32, 64) if dp > 1 or not flags.get("fsdp")]
 
     found = speeds(SYSTEMS["A100-40GB"])
@@ -143,13 +144,13 @@ def test_the_json_line_has_the_interface(capsys):
     (["--yaml_config", "config/UNet.yaml", "--config", "demo"], "covers the ViT"),
     (["--config", "mp", "--gpus", "16", "--tensor_parallel", "3"], "does not divide"),
     (["--config", "mp", "--gpus", "6"], "whole nodes of 4"),
-    (["--config", "mp", "--gpus", "128", "--tensor_parallel", "1"], "global batch 64 does not divide over dp=128"),
-    (["--config", "mp", "--tensor_parallel", "16"], "tp=16 does not divide the 8 attention heads"),
+    (["--config", "mp", "--gpus", "128", "--tensor_parallel", "1"], "cannot evenly distribute 64 across 128 GPU"),
+    (["--config", "mp", "--tensor_parallel", "16"], "num_heads 8 does not divide by tp = 16"),
     (["--config", "mp", "--gpus", "16", "--tensor_parallel", "16", "--plan"], "no layout of 16 GPUs"),
     (["--config", "mp", "--gpu", "V100"], "invalid choice"),
     (["--config", "mp", "--tensor_parallel", "0"], "--tensor_parallel is 0"),
-    (["--config", "mp", "--gpus", "8192", "--context_parallel", "8192"], "cp=8192 is more than the 4050 tokens"),
-    (["--config", "mp", "--sequence_parallel"], "--sequence_parallel needs --tensor_parallel > 1"),
+    (["--config", "mp", "--gpus", "8192", "--context_parallel", "8192"], "4050 patches, fewer than cp = 8192"),
+    (["--config", "mp", "--sequence_parallel"], "it needs --tensor_parallel 2 or more"),
     (["--config", "mp", "--gpus", "4", "--parallel_order", "tp-xx"], "order 'tp-xx'"),
     (["--yaml_config", "missing.yaml"], "not found"),
     (["--config", "mp", "--overhead_gb", "nan"], "--overhead_gb is nan"),

@@ -88,10 +88,9 @@ def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial
     assert_same_run(got, serial)
     assert f"Setting DP = {nproc // (tp * cp)}, TP = {tp}, CP = {cp}" in log
     assert "Scaffolding memory high watermark:" in log and " Memory usage after forward pass:" in log
-    from utils.perf_model import Layout
-    assert_the_start_up_line_is_the_performance_models(log, Layout(tp, cp, nproc // (tp * cp),
-                                                                   "--sequence_parallel" in flags, False,
-                                                                   "--fsdp" in flags))
+    from utils.layout import Layout
+    assert_the_start_up_line_is_the_performance_models(log, Layout.for_world(
+        nproc, tp, cp, sequence_parallel="--sequence_parallel" in flags, fsdp="--fsdp" in flags))
 
 
 @pytest.mark.compat
@@ -141,7 +140,7 @@ def assert_the_start_up_line_is_the_performance_models(log, layout):
 @pytest.mark.compat
 @pytest.mark.multiprocess
 def test_the_start_up_line_is_the_performance_models_memory_at_tp2_x_cp2(tp2_cp2):
-    from utils.perf_model import Layout
+    from utils.layout import Layout
     assert_the_start_up_line_is_the_performance_models(
         tp2_cp2[1], Layout(tp=2, cp=2, sequence_parallel=True, checkpointing=True))
 

@@ -5,6 +5,7 @@ import torch
 from networks import get_model
 from networks.vit import ViT
 from utils.errors import UserError
+from utils.layout import Layout
 from utils.YParams import YParams
 
 
@@ -46,18 +47,18 @@ def test_samples_are_independent():
     torch.testing.assert_close(both[:1], first, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"img_size": [18, 32]}, r"img_size \[18, 32\] is not divisible by patch_size 4"),
-    ({"embed_dim": 33}, "embed_dim 33 is not divisible by num_heads 2"),
-    ({"sequence_parallel": True, "tp": 1}, "--sequence_parallel splits the tokens over the tensor-parallel group; "
-                                           "it needs --tensor_parallel 2 or more"),
-    ({"sequence_parallel": True, "tp": 2, "dropout": 0.1}, "dropout 0.1 with --sequence_parallel would draw"),
+@pytest.mark.parametrize("changes, layout, message", [
+    ({"img_size": [18, 32]}, {}, r"img_size \[18, 32\] is not divisible by patch_size 4"),
+    ({"embed_dim": 33}, {}, "embed_dim 33 is not divisible by num_heads 2"),
+    ({"dropout": 0.1}, {"tp": 2, "sequence_parallel": True}, "dropout 0.1 with --sequence_parallel would draw"),
+    ({"num_heads": 4}, {"tp": 8}, "num_heads 4 does not divide by tp = 8"),
 ])
-def test_shapes_that_do_not_divide_are_refused(changes, message):
+def test_shapes_that_do_not_divide_are_refused(changes, layout, message):
+    """The ViT's own shape rules, and the layout's rules on its shape (utils/layout.py), when it is built."""
     params = YParams("config/ViT.yaml", "tiny")
     params.update(changes)
     with pytest.raises(UserError, match=message):
-        ViT(params)
+        ViT(params, Layout(**layout))
 
 
 @pytest.mark.parametrize("backend, kernel", [("math", "aten::_scaled_dot_product_attention_math"),

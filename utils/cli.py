@@ -5,6 +5,7 @@ import os
 import torch
 
 from utils.errors import ArgumentParser, UserError
+from utils.layout import Layout
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")  # scaled_dot_product_attention's kernels
@@ -167,11 +168,8 @@ def set_batch_sizes(params, args, dp_size):
             raise UserError(f"--local_batch_size is {args.local_batch_size}; it must be at least 1")
         params.local_batch_size = args.local_batch_size
         params.global_batch_size = dp_size * args.local_batch_size
-    elif params.global_batch_size % dp_size or params.global_batch_size < dp_size:
-        raise UserError(f"Error, cannot evenly distribute {params.global_batch_size} across {dp_size} GPU. "
-                        "Choose a global_batch_size divisible by the number of data-parallel ranks, "
-                        "or set --local_batch_size")
     else:
+        Layout(dp=dp_size).check(global_batch=params.global_batch_size)  # the batch splits over dp (utils/layout.py)
         params.local_batch_size = params.global_batch_size // dp_size
 
 

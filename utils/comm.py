@@ -4,10 +4,11 @@ torchrun sets them; under Slurm, export_DDP_vars.sh exports the same names from 
 gloo on CPUs. Process groups are kept by name: "dp" is the data-parallel group (every rank of train.py is a
 data-parallel replica, so there it is the whole world). Reductions take the group's name as an argument.
 
-A model-parallel script names its sizes: init({"tp": 2, "cp": 2, "order": "tp-cp-dp"}) lays the ranks out on a
-tp x cp x dp grid (the first name of the order varies fastest; see utils/rank_generator.py) and builds the
-groups "dp", "tp", "cp", "tp-cp" and "dp-cp". Sizes that cannot work (tp x cp not dividing the world, heads or
-MLP width not dividing by tp, fewer patches than cp) are refused up front by validate_grid, in one line.
+A model-parallel script passes its layout (utils/layout.py: built once from the flags; the original's
+init({"tp": 2, "cp": 2, "order": "tp-cp-dp"}) works too): the ranks are laid out on a tp x cp x dp grid (the first
+name of the order varies fastest; see utils/rank_generator.py) and the groups "dp", "tp", "cp", "tp-cp" and
+"dp-cp" are built. A layout that does not divide the world is refused before the rendezvous, in one line; the
+model's own rules (heads, MLP width, tokens) are the layout's too, checked when the model is built.
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
 import contextlib
@@ -19,12 +20,11 @@ import torch.distributed as dist
 
 from utils import rendezvous
 from utils.errors import OneRankError, UserError
-from utils.rank_generator import RankGenerator
+from utils.layout import Layout
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
-DEFAULT_ORDER = "tp-cp-dp"
 _groups = {}
-_grid = {"dp": 1, "tp": 1, "cp": 1, "order": RankGenerator(tp=1, dp=1, pp=1, cp=1, order=DEFAULT_ORDER).order}
+_layout = {"now": Layout()}  # this run's layout (serial until init)
 GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
 _host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads; not a named group
 
@@ -66,44 +66,23 @@ def is_initialized(name):
     return name in _groups
 
 
-def get_grid():
-    """The parallel layout, for logging: {"dp": .., "tp": .., "cp": .., "order": ..} (all 1 before init)."""
-    return dict(_grid)
+def get_layout():
+    """This run's Layout (utils/layout.py): tp, cp, dp, order and the memory switches (all 1 before init)."""
+    return _layout["now"]
 
 
 @contextlib.contextmanager
 def serial_layout():
-    """Within the block every named group has size 1, as in a single process: builds the serial model on a rank of
-    any layout (to count the model's FLOPs, say), without a collective."""
-    saved = dict(_groups)
+    """Within the block every named group has size 1 and the layout is serial, as in a single process: builds the
+    serial model on a rank of any layout (to count the model's FLOPs, say), without a collective."""
+    saved, saved_layout = dict(_groups), _layout["now"]
     _groups.clear()
+    _layout["now"] = Layout()
     try:
         yield
     finally:
         _groups.update(saved)
-
-
-def validate_grid(world_size, tp, cp, num_heads=None, mlp_hidden=None, seq_len=None):
-    """Refuse, with one UserError line, sizes the tp x cp x dp grid cannot run; return the dp size.
-    Pure: no processes needed. num_heads, mlp_hidden (the MLP's hidden width) and seq_len (the number of
-    patches) are checked when given."""
-    for name, size in (("tp", tp), ("cp", cp)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise UserError(f"{name} is {size!r}; give a whole number of ranks, at least 1 (1 turns it off)")
-    if world_size % (tp * cp):
-        raise UserError(f"tp x cp = {tp} x {cp} = {tp * cp} does not divide the world size {world_size} (the "
-                        f"number of ranks); launch a multiple of {tp * cp} ranks, or choose tp and cp whose "
-                        f"product divides {world_size}")
-    if num_heads is not None and num_heads % tp:
-        raise UserError(f"num_heads {num_heads} does not divide by tp = {tp} (each tp rank holds whole heads); "
-                        f"choose tp among the divisors of {num_heads}, or change num_heads")
-    if mlp_hidden is not None and mlp_hidden % tp:
-        raise UserError(f"the MLP hidden width {mlp_hidden} does not divide by tp = {tp} (each tp rank holds "
-                        f"an equal slice); choose tp among its divisors, or change the MLP ratio or embed_dim")
-    if seq_len is not None and seq_len < cp:
-        raise UserError(f"the sequence has {seq_len} patches, fewer than cp = {cp} (each cp rank needs at "
-                        "least one); lower cp, or use smaller patches or larger images")
-    return world_size // (tp * cp)
+        _layout["now"] = saved_layout
 
 
 def _build_groups(generator):
@@ -162,19 +141,27 @@ def gpu_id(device):
     return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"index {device.index}"
 
 
-def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
+def world_size_to_be():
+    """The number of ranks of this job: the process group's once joined, else the launcher's WORLD_SIZE."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
     """Join the process group when WORLD_SIZE > 1 (utils/rendezvous.py: waiting at most `rendezvous_timeout`
-    seconds for the other ranks) and build the groups of the tp x cp x dp grid. Its sizes and order come from
-    `params` ("tp", "cp", "order", as the original `comm.init(params)`; a dict will do), else tp = cp = 1: every
-    rank is one replica and "dp" is the world (train.py). Returns (world size, world rank, local rank)."""
-    params = params if params is not None else {}
-    tp, cp, order = params.get("tp", 1), params.get("cp", 1), params.get("order", DEFAULT_ORDER)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    seconds for the other ranks) and build the groups of the tp x cp x dp grid of `layout`: a Layout (train_mp.py),
+    a dict or config with "tp", "cp", "order" (the original `comm.init(params)`), or None: every rank is one
+    replica and "dp" is the world (train.py). Returns (world size, world rank, local rank)."""
+    world_size = world_size_to_be()
     # checked before the rendezvous, so that every rank stops at once with the same line
-    dp = validate_grid(world_size, tp, cp)
-    generator = RankGenerator(tp=tp, dp=dp, pp=1, cp=cp, order=order)
+    if isinstance(layout, Layout):
+        layout.check(world_size=world_size)
+        if layout.world_size != world_size:
+            raise ValueError(f"the layout is for {layout.world_size} ranks, the job has {world_size}")
+    else:
+        layout = Layout.from_dict(layout if layout is not None else {}, world_size)
+    generator = layout.grid()
     _groups.clear()
-    _grid.update(dp=dp, tp=tp, cp=cp, order=generator.order)
+    _layout["now"] = layout
     if world_size > 1 and not dist.is_initialized():
         settings = rendezvous.launch_settings(world_size, rendezvous_timeout)  # checked before a GPU is touched
         device = get_device()
@@ -185,7 +172,7 @@ def init(params=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
     if dist.is_initialized():
         _build_groups(generator)
     if get_world_rank() == 0:
-        logging.info(f"Setting DP = {dp}, TP = {tp}, CP = {cp}, PP = 1")
+        logging.info(f"Setting {layout.describe()}")
     return get_world_size(), get_world_rank(), get_local_rank()
 
 
@@ -247,7 +234,7 @@ def destroy():
     ("terminate called...")."""
     _groups.clear()
     _host.clear()
-    _grid.update(dp=1, tp=1, cp=1, order=RankGenerator(tp=1, dp=1, pp=1, cp=1, order=DEFAULT_ORDER).order)
+    _layout["now"] = Layout()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -28,9 +28,10 @@ import math
 from dataclasses import dataclass
 
 from distributed.helpers import compute_split_shapes
-from utils.rank_generator import RankGenerator
+from networks.vit import mlp_hidden
+from utils.layout import Layout
 
-MLP_RATIO = 4.0  # networks/vit.py's default (utils may not import the models: tests/test_layout.py)
+SERIAL = Layout()
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ViTShape:
         return cls(embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
                    tokens=(height // patch) * (width // patch), in_channels=params.n_in_channels,
                    out_channels=params.n_out_channels, patch_size=patch,
-                   hidden=int(params.embed_dim * params.get("mlp_ratio", MLP_RATIO)))
+                   hidden=mlp_hidden(params))
 
 
 def flops_per_sample(shape):
@@ -91,18 +92,18 @@ def _shard(rows, numel, dp):
     return math.ceil(rows / dp) * (numel // rows)
 
 
-def parameters_per_rank(shape, tp=1, dp=1, fsdp=False, cp=1):
+def parameters_per_rank(shape, layout=SERIAL):
     """Parameters held by one rank; with FSDP its share of each tensor over dp: the first dimension split in
     ceil-sized chunks, so rank 0 holds the most, and that is the count given."""
-    tensors = _tensor_shapes(shape, tp, tp * cp > 1)
-    if not fsdp or dp == 1:
+    tensors = _tensor_shapes(shape, layout.tp, layout.model_parallel > 1)
+    if not layout.fsdp or layout.dp == 1:
         return sum(numel for _, numel in tensors)
-    return sum(_shard(rows, numel, dp) for rows, numel in tensors)
+    return sum(_shard(rows, numel, layout.dp) for rows, numel in tensors)
 
 
-def state_bytes_per_rank(shape, tp=1, dp=1, fsdp=False, cp=1):
+def state_bytes_per_rank(shape, layout=SERIAL):
     """{"parameters", "gradients", "optimizer_state"}: fp32 bytes on one rank (Adam: two moments)."""
-    params = 4 * parameters_per_rank(shape, tp, dp, fsdp, cp)
+    params = 4 * parameters_per_rank(shape, layout)
     return {"parameters": params, "gradients": params, "optimizer_state": 2 * params}
 
 
@@ -111,7 +112,7 @@ def _chunk(size, parts):
     return compute_split_shapes(size, parts)[0]
 
 
-def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, cp=1, sequence_parallel=False):
+def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     """Bytes saved for the backward pass by one forward of `batch` samples on rank 0 of a tp x cp layout (DDP, or
     FSDP in fp32; FSDP's 16-bit policy is not modelled), as utils/profiling.SavedActivations measures them.
 
@@ -129,6 +130,7 @@ def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, 
     (t_c) and the head's input (t, gathered over cp), and the 16-bit copies of the patch-embedding and head weights.
     With checkpointing a block keeps only its input (fp32: the residual stream)."""
     d, t, hidden, heads = shape.embed_dim, shape.tokens, shape.hidden, shape.num_heads
+    tp, cp, sequence_parallel, checkpointing = layout.tp, layout.cp, layout.sequence_parallel, layout.checkpointing
     t_c = _chunk(t, cp)
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
     t_kv = t if cp > 1 else t_c
@@ -151,8 +153,7 @@ def saved_activation_bytes(shape, batch, half=False, checkpointing=False, tp=1, 
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
 
 
-def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
-                         activation_bytes=4, half=False):
+def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=False):
     """Every collective of one training step on rank 0, as (group, op, bytes, when): the group ("tp", "cp",
     "tp-cp", "dp"), the op ("all_reduce", "all_gather", "reduce_scatter"), the bytes handed to the network (the
     whole tensor of an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter; what a ring
@@ -177,6 +178,8 @@ def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False
     once (in the autocast dtype with `half`: its mixed-precision policy), and reduce-scatters the gradients (fp32).
     """
     d, t, depth = shape.embed_dim, shape.tokens, shape.depth
+    tp, cp, dp, sequence_parallel, fsdp = layout.tp, layout.cp, layout.dp, layout.sequence_parallel, layout.fsdp
+    checkpointing = layout.checkpointing
     t_c = _chunk(t, cp)
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
     act = activation_bytes * batch
@@ -229,16 +232,14 @@ def collectives_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False
         add("dp", "all_gather", gathered * (2 * depth * padded_block + dp * held(root)), "weights")
         add("dp", "reduce_scatter", 4 * (depth * padded_block + dp * held(root)), "weights")  # fp32 gradients
     elif dp > 1:
-        add("dp", "all_reduce", 4 * parameters_per_rank(shape, tp, cp=cp), "gradients")
+        add("dp", "all_reduce", 4 * parameters_per_rank(shape, Layout(tp=tp, cp=cp)), "gradients")
     return found
 
 
-def comm_bytes_per_step(shape, batch, tp=1, cp=1, dp=1, sequence_parallel=False, checkpointing=False, fsdp=False,
-                        activation_bytes=4, half=False):
+def comm_bytes_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=False):
     """Bytes the collectives of one training step hand to the network on rank 0, summed by process group ("tp",
     "cp", "tp-cp", "dp"): collectives_per_step, totalled."""
-    return _bytes_by_group(collectives_per_step(shape, batch, tp, cp, dp, sequence_parallel, checkpointing, fsdp,
-                                                activation_bytes, half))
+    return _bytes_by_group(collectives_per_step(shape, batch, layout, activation_bytes, half))
 
 
 def _bytes_by_group(collectives):
@@ -287,9 +288,9 @@ EFFICIENCY = {
     "network": 0.8,
 }
 # GPU memory outside the model's tensors: the CUDA context, NCCL's buffers, DALI's pools. The tutorial logs it as
-# "Scaffolding memory high watermark" (NVML's used memory once the model and DDP are built; FACTS A23: 10.48 GB at
-# tp=1, 10.18 GB at tp=4 on the mp config), less the parameters and DDP's gradient buckets it then holds (2 x 0.59,
-# 2 x 0.17 GB): 9.30 and 9.85 GB, 9.6 on average.
+# "Scaffolding memory high watermark" (NVML's used memory once the model and DDP are built; the original tutorial's
+# README: 10.48 GB at tp=1, 10.18 GB at tp=4 on the mp config), less the parameters and DDP's gradient buckets it
+# then holds (2 x 0.59, 2 x 0.17 GB): 9.30 and 9.85 GB, 9.6 on average.
 RUNTIME_OVERHEAD_GIB = 9.6
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # FlashAttention's kernels; a head dimension runs padded up
 SOFTMAX_OPS = (5, 6)  # fp32 operations per attention score: forward (scale, max, subtract, exp, sum) and backward
@@ -298,35 +299,10 @@ ADAM_BYTES_PER_PARAMETER = 28  # one fused pass: read weight, gradient and both 
 GIB = 1024 ** 3
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A layout of train_mp.py: tp x cp x dp ranks in `order` (first name fastest), and its memory flags."""
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    checkpointing: bool = False
-    fsdp: bool = False
-    order: str = "tp-cp-dp"
-
-    @property
-    def gpus(self):
-        return self.tp * self.cp * self.dp
-
-    def flags(self):
-        """train_mp.py's flags for this layout."""
-        flags = [f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}"]
-        if self.order != "tp-cp-dp":
-            flags.append(f"--parallel_order={self.order}")
-        return flags + [flag for flag, on in (("--sequence_parallel", self.sequence_parallel),
-                                              ("--activation_checkpointing", self.checkpointing),
-                                              ("--fsdp", self.fsdp)) if on]
-
-
 def group_spans_nodes(layout, gpus_per_node):
     """{group: True if one of its groups holds ranks of two nodes} for the groups of `layout` (ranks fill the nodes
     in order, `gpus_per_node` each)."""
-    grid = RankGenerator(tp=layout.tp, dp=layout.dp, pp=1, cp=layout.cp, order=layout.order)
+    grid = layout.grid()
     return {name: any(len({rank // gpus_per_node for rank in ranks}) > 1 for ranks in grid.get_ranks(name))
             for name in ("tp", "cp", "tp-cp", "dp")}
 
@@ -344,11 +320,12 @@ def collective_seconds(op, nbytes, ranks, bandwidth):
     return wire / (bandwidth * EFFICIENCY["network"])
 
 
-def attention_work_per_sample(shape, tp=1, cp=1, checkpointing=False):
+def attention_work_per_sample(shape, layout=SERIAL):
     """(tensor-core FLOPs, fp32 softmax operations) that attention's kernels execute for one sample on one rank:
     the head dimension padded to a FlashAttention kernel's, the backward pass recomputing the scores (10 T^2 D, where
     the flop counter counts 8), checkpointing's second forward."""
     head_dim = shape.embed_dim // shape.num_heads
+    tp, cp, checkpointing = layout.tp, layout.cp, layout.checkpointing
     padded = next((size for size in FLASH_HEAD_DIMS if size >= head_dim), head_dim)
     scores = _chunk(shape.tokens, cp) * shape.tokens * (shape.num_heads // tp)  # this rank's queries x all keys
     forwards = 2 if checkpointing else 1
@@ -356,18 +333,18 @@ def attention_work_per_sample(shape, tp=1, cp=1, checkpointing=False):
     return shape.depth * tensor, shape.depth * scores * (SOFTMAX_OPS[0] * forwards + SOFTMAX_OPS[1])
 
 
-def gemm_flops_per_sample(shape, tp=1, cp=1, checkpointing=False):
+def gemm_flops_per_sample(shape, layout=SERIAL):
     """The linear layers' and the patch embedding's FLOPs for one sample on one rank: each block's on this rank's
     tokens and columns (checkpointing: a second forward), the embedding and head on every token (each rank)."""
-    d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
+    d, t_c, tp = shape.embed_dim, _chunk(shape.tokens, layout.cp), layout.tp
     linear = 2 * t_c * (4 * d * d + 2 * d * shape.hidden) // tp
     patch_values = shape.patch_size ** 2
     outside = 2 * 2 * shape.tokens * d * shape.in_channels * patch_values + 3 * 2 * shape.tokens * d * \
         shape.out_channels * patch_values
-    return shape.depth * linear * (4 if checkpointing else 3) + outside
+    return shape.depth * linear * (4 if layout.checkpointing else 3) + outside
 
 
-def memory_bound_bytes_per_sample(shape, tp=1, cp=1, sequence_parallel=False, checkpointing=False, half=False):
+def memory_bound_bytes_per_sample(shape, layout=SERIAL, half=False):
     """Bytes the elementwise and normalisation kernels of one sample's blocks read and write on one rank (an
     estimate from the ops of networks/vit.py and distributed/layers.py, each operand streamed once; the backward
     pass moves twice the forward's). Per block: the residual stream R (t_s D values), the norms' outputs entering
@@ -376,8 +353,9 @@ def memory_bound_bytes_per_sample(shape, tp=1, cp=1, sequence_parallel=False, ch
     plus a 16-bit branch; 24 R in fp32), attention's output back to tokens (4 or 8 S), GELU (4 or 8 H); under
     autocast the casts of the norms' outputs for q, k, v and fc1 (24 C). The distributed layers add their biases
     outside the GEMM (fp32: q, k, v, proj, fc1, fc2)."""
+    tp, cp = layout.tp, layout.cp
     d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
-    t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
+    t_s = _chunk(t_c, tp) if layout.sequence_parallel and tp > 1 else t_c
     r, c, s, h = t_s * d, t_c * d, t_c * d // tp, t_c * shape.hidden // tp
     if half:
         forward = 36 * r + 24 * c + 4 * s + 4 * h
@@ -387,13 +365,14 @@ def memory_bound_bytes_per_sample(shape, tp=1, cp=1, sequence_parallel=False, ch
         bias = 24 * s + 16 * r + 8 * h
     if tp * cp > 1:
         forward += bias
-    return shape.depth * forward * (4 if checkpointing else 3)
+    return shape.depth * forward * (4 if layout.checkpointing else 3)
 
 
 def _block_saved_bytes(shape, batch, half, layout):
     """Saved activations of one block (without checkpointing): what its backward pass (or recomputation) holds."""
-    one, none = (saved_activation_bytes(dataclasses.replace(shape, depth=depth), batch, half, False, layout.tp,
-                                        layout.cp, layout.sequence_parallel) for depth in (1, 0))
+    unchecked = dataclasses.replace(layout, checkpointing=False)
+    one, none = (saved_activation_bytes(dataclasses.replace(shape, depth=depth), batch, half, unchecked)
+                 for depth in (1, 0))
     return one - none
 
 
@@ -405,7 +384,7 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     and the saved activations. The peak, during the backward pass: that, plus the gradients and one block's
     activations (its recomputation under checkpointing, its gradients otherwise)."""
     tp, cp, dp = layout.tp, layout.cp, layout.dp
-    states = state_bytes_per_rank(shape, tp, dp, layout.fsdp, cp)
+    states = state_bytes_per_rank(shape, layout)
     buckets = states["gradients"] if ddp and layout.gpus > 1 and not layout.fsdp else 0
     found = {"weights": states["parameters"], "optimizer_state": states["optimizer_state"], "ddp_buckets": buckets,
              "gathered_root": 0}
@@ -414,8 +393,7 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
         found["gathered_root"] = (2 if half else 4) * sum(numel for _, numel in root)
     image_values = shape.in_channels * shape.tokens * shape.patch_size ** 2
     found["input_batch"] = 4 * batch * image_values * (shape.in_channels + shape.out_channels) // shape.in_channels
-    found["saved_activations"] = saved_activation_bytes(shape, batch, half, layout.checkpointing, tp, cp,
-                                                        layout.sequence_parallel)
+    found["saved_activations"] = saved_activation_bytes(shape, batch, half, layout)
     found["after_forward"] = sum(found.values())
     found["gradients"] = states["gradients"]
     found["backward_block"] = _block_saved_bytes(shape, batch, half, layout)
@@ -423,10 +401,10 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     return found
 
 
-def block_flops_per_sample(shape, tp=1, cp=1):
+def block_flops_per_sample(shape, layout=SERIAL):
     """(forward, backward) FLOPs of one transformer block for one sample on one rank (the flop counter's way: its
     tokens and columns; attention 4 and 8 T_c T D / tp)."""
-    d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
+    d, t_c, tp = shape.embed_dim, _chunk(shape.tokens, layout.cp), layout.tp
     forward = (2 * t_c * (4 * d * d + 2 * d * shape.hidden) + 4 * t_c * shape.tokens * d) // tp
     return forward, 2 * forward
 
@@ -449,20 +427,18 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     peak_flops = system.tensor_flops[amp_mode if half else "tf32"]
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     # time: compute, memory-bound, communication
-    attention_flops, softmax_ops = attention_work_per_sample(shape, tp, cp, layout.checkpointing)
-    matmul_s = batch * (gemm_flops_per_sample(shape, tp, cp, layout.checkpointing) + attention_flops) / \
+    attention_flops, softmax_ops = attention_work_per_sample(shape, layout)
+    matmul_s = batch * (gemm_flops_per_sample(shape, layout) + attention_flops) / \
         (peak_flops * EFFICIENCY["matmul"])
     softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])  # compute too: the same fraction
-    held = parameters_per_rank(shape, tp, dp, layout.fsdp, cp)
-    memory_s = (batch * memory_bound_bytes_per_sample(shape, tp, cp, layout.sequence_parallel, layout.checkpointing,
-                                                      half) + ADAM_BYTES_PER_PARAMETER * held) / \
+    held = parameters_per_rank(shape, layout)
+    memory_s = (batch * memory_bound_bytes_per_sample(shape, layout, half) + ADAM_BYTES_PER_PARAMETER * held) / \
         (system.hbm_bytes_per_s * EFFICIENCY["memory"])
     compute_s = matmul_s + softmax_s + memory_s
     backward_s = compute_s * (3 / 4 if layout.checkpointing else 2 / 3)  # the backward pass (with its recomputation)
     spans = group_spans_nodes(layout, system.gpus_per_node)
     comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0}
-    collectives = collectives_per_step(shape, batch, tp, cp, dp, layout.sequence_parallel, layout.checkpointing,
-                                       layout.fsdp, half=half)
+    collectives = collectives_per_step(shape, batch, layout, half=half)
     for group, op, nbytes, when in collectives:
         bandwidth = system.nic_bytes_per_s if spans[group] else system.nvlink_pair
         comm_s[when] += collective_seconds(op, nbytes, _group_size(layout, group), bandwidth)
@@ -488,7 +464,7 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "comm_seconds": comm_s,
         "parameters_per_gpu": held,
         "counts": {  # rank 0, one step at the local batch (bytes; FLOPs per sample)
-            "block_flops_per_sample": dict(zip(("forward", "backward"), block_flops_per_sample(shape, tp, cp))),
+            "block_flops_per_sample": dict(zip(("forward", "backward"), block_flops_per_sample(shape, layout))),
             "memory_bytes": memory,
             "collectives": [{"group": group, "op": op, "bytes": nbytes, "when": when}
                             for group, op, nbytes, when in collectives],
@@ -496,15 +472,12 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     }
 
 
-def predicted_memory_line(params, args, dp):
+def predicted_memory_line(params, layout, ddp=True):
     """train_mp.py's start-up line: the model's memory of rank 0's tensors after the forward pass and at the peak.
     On a GPU the measured " Memory usage after forward pass" line is the allocator's high watermark since start-up,
     logged after the second step: read it against the peak."""
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
-    layout = Layout(args.tensor_parallel, args.context_parallel, dp, args.sequence_parallel,
-                    args.activation_checkpointing, getattr(args, "fsdp", False), args.parallel_order)
-    memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled,
-                          ddp=not args.noddp)
+    memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
     return (f"Predicted memory of the tensors (utils/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after the "
             f"forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")

@@ -1,0 +1,122 @@
+"""The layout's rules (utils/layout.py): every rule a tp x cp x dp layout and its memory switches must obey lives in
+one object, and every place that used to check one (comm, the ViT, parallelize, the batch split, the planner) asks
+it. Each rule is shown refusing a layout in one line, with its facts; the twin runs the same layout with that rule
+taken out of RULES and shows nothing else refuses it (so the rule is what refuses, not another check).
+A failure points to utils/layout.py, or to a caller that checks a rule of its own again.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks import plan
+from utils import comm, layout
+from utils.cli import apply_overrides, model_parallel_parser, training_parser
+from utils.errors import UserError
+from utils.layout import RULES, Layout
+from utils.YParams import YParams
+
+# rule name: (layout settings, facts, words of the refusal, the place that checks it with these facts)
+CASES = {
+    "sizes_are_whole_numbers": ({"tp": 0}, {}, "tp is 0; give a whole number of ranks, at least 1", "layout"),
+    "order_names_each_dimension": ({"order": "tp-ep"}, {}, "order 'tp-ep' names 'ep'", "layout"),
+    "sequence_parallel_needs_tp": ({"sequence_parallel": True}, {}, "it needs --tensor_parallel 2 or more", "layout"),
+    "grid_divides_world": ({"tp": 2, "cp": 2}, {"world_size": 6},
+                           "tp x cp = 2 x 2 = 4 does not divide the world size 6", "comm"),
+    "heads_split_over_tp": ({"tp": 4}, {"num_heads": 6}, "num_heads 6 does not divide by tp = 4", "vit"),
+    "mlp_width_splits_over_tp": ({"tp": 4}, {"mlp_hidden": 1022}, "the MLP hidden width 1022 does not divide",
+                                 "vit"),
+    "every_cp_rank_has_tokens": ({"cp": 8}, {"tokens": 4}, "the sequence has 4 patches, fewer than cp = 8", "vit"),
+    "no_dropout_with_cp": ({"cp": 2}, {"dropout": 0.1}, "dropout 0.1 with context parallelism", "vit"),
+    "no_dropout_with_sequence_parallel": ({"tp": 2, "sequence_parallel": True}, {"dropout": 0.1},
+                                          "dropout 0.1 with --sequence_parallel", "vit"),
+    "fsdp_replaces_ddp": ({"fsdp": True}, {"noddp": True}, "--fsdp replaces DDP", "parallelize"),
+    "fsdp_shards_contiguous_weights": ({"fsdp": True}, {"channels_last": True}, "add --no-enable_nhwc",
+                                       "parallelize"),
+    "batch_splits_over_dp": ({"dp": 3}, {"global_batch": 8}, "cannot evenly distribute 8 across 3 GPU", "batch"),
+}
+
+
+def test_every_rule_is_listed_here():
+    """A rule added to utils/layout.py without a case here fails, as does a case for a rule that is gone."""
+    assert sorted(check.__name__ for _, check in RULES) == sorted(CASES)
+
+
+def _refused_by_the_object(settings, facts):
+    """The refusal as Layout raises it: on construction for the rules that need no fact, by check() for the rest."""
+    with pytest.raises(UserError) as refused:
+        Layout(**settings).check(**facts)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_rule_refuses_in_one_line(name):
+    settings, facts, words, _ = CASES[name]
+    line = _refused_by_the_object(settings, facts)
+    assert words in line and "\n" not in line
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_without_the_rule_the_layout_passes(name, monkeypatch):
+    """The twin: the same layout and facts with this one rule removed raise nothing."""
+    settings, facts, _, _ = CASES[name]
+    monkeypatch.setattr(layout, "RULES", [(needs, check) for needs, check in RULES if check.__name__ != name])
+    if name == "sizes_are_whole_numbers":  # the rank generator checks sizes too: taken out with it
+        monkeypatch.setattr(Layout, "grid", lambda self: None)
+    Layout(**settings).check(**facts)
+
+
+def _vit_params(**changes):
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update(changes)
+    return params
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case[3] == "vit"])
+def test_the_vit_asks_the_layout(name, monkeypatch):
+    """The ViT refuses with the layout's line, and builds once the rule is removed (its own checks keep shapes)."""
+    from networks.vit import ViT
+    settings, facts, words, _ = CASES[name]
+    changes = {"num_heads": {"num_heads": 6, "embed_dim": 48}, "mlp_hidden": {"mlp_ratio": 1022 / 32, "num_heads": 4},
+               "tokens": {"img_size": [8, 8]}, "dropout": {"dropout": 0.1}}[next(iter(facts))]
+    with pytest.raises(UserError) as refused:
+        ViT(_vit_params(**changes), Layout(**settings))
+    assert words in str(refused.value)
+    monkeypatch.setattr(layout, "RULES", [(needs, check) for needs, check in RULES if check.__name__ != name])
+    ViT(_vit_params(**changes), Layout(**settings))  # this process has no groups: the model builds whole
+
+
+def test_comm_parallelize_and_the_batch_split_ask_the_layout(monkeypatch):
+    """comm.init refuses a grid that does not divide the world, parallelize what FSDP cannot combine with, the batch
+    split a batch that does not divide over dp: each the layout's line."""
+    from distributed.parallelize import parallelize
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(UserError, match=CASES["grid_divides_world"][2]):
+        comm.init({"tp": 2, "cp": 2})
+    with pytest.raises(UserError, match=CASES["fsdp_replaces_ddp"][2]):
+        parallelize(torch.nn.Linear(2, 2), Layout(fsdp=True), SimpleNamespace(noddp=True), torch.device("cpu"),
+                    _vit_params())
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update({"global_batch_size": 8})
+    with pytest.raises(UserError, match=CASES["batch_splits_over_dp"][2]):
+        apply_overrides(params, training_parser("t").parse_args([]), dp_size=3, dp_rank=0)
+
+
+def test_the_planner_refuses_with_the_same_lines():
+    """benchmarks/plan.py checks a layout with the same object: its refusal is the training script's line."""
+    shape = plan.ViTShape.from_params(YParams("config/ViT.yaml", "mp"))  # 8 heads, 4050 tokens, global batch 64
+    assert plan.refusal(shape, Layout(tp=16), 64) == Layout(tp=16).refusal(num_heads=8)
+    assert "cannot evenly distribute 64 across 128 GPU" in plan.refusal(shape, Layout(dp=128), 64)
+    assert plan.refusal(shape, Layout(tp=4, dp=4), 64) is None
+
+
+def test_a_layout_is_built_from_the_flags_and_the_world():
+    """dp is what is left of the world; the order as given; the switches from their flags."""
+    args = model_parallel_parser("t").parse_args(["--tensor_parallel", "2", "--context_parallel", "2",
+                                                  "--parallel_order", "cp-tp-dp", "--sequence_parallel", "--fsdp"])
+    built = Layout.from_flags(args, 8)
+    assert built == Layout(tp=2, cp=2, dp=2, order="cp-tp-dp", sequence_parallel=True, fsdp=True)
+    assert built.world_size == 8 and built.model_parallel == 4
+    assert built.flags() == ["--tensor_parallel=2", "--context_parallel=2", "--parallel_order=cp-tp-dp",
+                             "--sequence_parallel", "--fsdp"]
+    assert Layout.from_dict({"tp": 2}, 4) == Layout(tp=2, dp=2)

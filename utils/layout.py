@@ -1,0 +1,211 @@
+"""The parallel layout of a run, built once from the flags and checked in one place.
+
+A layout is how the job's ranks split the work: tp ranks split each layer's weights (tensor parallelism), cp ranks
+split each sample's tokens (context parallelism), and the dp = world / (tp x cp) groups of those each train on their
+own share of the batch (data parallelism). The order (first name fastest, utils/rank_generator.py) places the
+groups on the nodes. Three memory switches ride on it: sequence parallelism, activation checkpointing and FSDP.
+
+Every rule a layout must obey is one function in RULES, here and nowhere else. A rule needs some facts about the
+run (the world size, the model's heads, the global batch, ...) and is checked wherever those facts are known:
+comm.init checks the world size, the ViT its shape and dropout, parallelize the flags FSDP replaces, the batch
+split its batch, the planner (benchmarks/plan.py) every fact at once without starting a process. The rules that
+need no fact are checked whenever a Layout is made, so a Layout that exists is a layout that can run.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from utils.errors import UserError
+from utils.rank_generator import RankGenerator
+
+DEFAULT_ORDER = "tp-cp-dp"
+RULES = []  # (facts needed, rule) in the order they are checked; a rule returns the refusal's line or None
+
+
+def rule(*facts):
+    """Register a rule that needs `facts` (keyword names of Layout.check)."""
+    def register(function):
+        RULES.append((facts, function))
+        return function
+    return register
+
+
+@dataclass(frozen=True)
+class Layout:
+    """tp x cp x dp ranks laid out in `order` (first name fastest), and the memory switches of train_mp.py."""
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    order: str = DEFAULT_ORDER
+    sequence_parallel: bool = False
+    checkpointing: bool = False
+    fsdp: bool = False
+
+    def __post_init__(self):
+        self.check()  # the rules that need no fact
+
+    @classmethod
+    def for_world(cls, world_size, tp=1, cp=1, **switches):
+        """The layout of `world_size` ranks with these tp and cp: dp is what is left."""
+        Layout(tp=tp, cp=cp, **switches).check(world_size=world_size)
+        return cls(tp=tp, cp=cp, dp=world_size // (tp * cp), **switches)
+
+    @classmethod
+    def from_flags(cls, args, world_size):
+        """train_mp.py's layout: --tensor_parallel, --context_parallel, --parallel_order, --sequence_parallel,
+        --activation_checkpointing, --fsdp."""
+        return cls.for_world(world_size, args.tensor_parallel, args.context_parallel, order=args.parallel_order,
+                             sequence_parallel=args.sequence_parallel, checkpointing=args.activation_checkpointing,
+                             fsdp=getattr(args, "fsdp", False))
+
+    @classmethod
+    def from_dict(cls, params, world_size):
+        """The original's comm.init(params): "tp", "cp" and "order" keys (a dict or the config; missing means 1)."""
+        return cls.for_world(world_size, params.get("tp", 1), params.get("cp", 1),
+                             order=params.get("order", DEFAULT_ORDER))
+
+    @property
+    def world_size(self):
+        return self.tp * self.cp * self.dp
+
+    gpus = world_size
+
+    @property
+    def model_parallel(self):
+        """Ranks that hold parts of one model (tp x cp)."""
+        return self.tp * self.cp
+
+    def grid(self):
+        """The rank lists of every process group (utils/rank_generator.py)."""
+        return RankGenerator(tp=self.tp, dp=self.dp, pp=1, cp=self.cp, order=self.order)
+
+    def refusal(self, **facts):
+        """The first broken rule's line among those whose facts are given (None: every one holds)."""
+        for needs, check in RULES:
+            if all(facts.get(name) is not None for name in needs):
+                line = check(self, *(facts[name] for name in needs))
+                if line:
+                    return line
+        return None
+
+    def check(self, **facts):
+        """Refuse, in one UserError line, a layout that breaks a rule with these facts."""
+        line = self.refusal(**facts)
+        if line:
+            raise UserError(line)
+        return self
+
+    def with_dp(self, dp):
+        return dataclasses.replace(self, dp=dp)
+
+    def flags(self):
+        """train_mp.py's flags for this layout."""
+        flags = [f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}"]
+        if self.order != DEFAULT_ORDER:
+            flags.append(f"--parallel_order={self.order}")
+        return flags + [flag for flag, on in (("--sequence_parallel", self.sequence_parallel),
+                                              ("--activation_checkpointing", self.checkpointing),
+                                              ("--fsdp", self.fsdp)) if on]
+
+    def describe(self):
+        return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}, PP = 1"
+
+
+# --- the rules, each a line saying what to change ---------------------------------------------------------------
+
+@rule()
+def sizes_are_whole_numbers(layout):
+    for name in ("tp", "cp", "dp"):
+        size = getattr(layout, name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            return f"{name} is {size!r}; give a whole number of ranks, at least 1 (1 turns it off)"
+    return None
+
+
+@rule()
+def order_names_each_dimension(layout):
+    try:
+        layout.grid()
+    except UserError as err:
+        return str(err)
+    return None
+
+
+@rule()
+def sequence_parallel_needs_tp(layout):
+    if layout.sequence_parallel and layout.tp < 2:
+        return ("--sequence_parallel splits the tokens over the tensor-parallel group; it needs --tensor_parallel 2 "
+                "or more")
+    return None
+
+
+@rule("world_size")
+def grid_divides_world(layout, world_size):
+    if world_size % layout.world_size:
+        tp, cp = layout.tp, layout.cp
+        return (f"tp x cp = {tp} x {cp} = {tp * cp} does not divide the world size {world_size} (the number of "
+                f"ranks); launch a multiple of {tp * cp} ranks, or choose tp and cp whose product divides "
+                f"{world_size}")
+    return None
+
+
+@rule("num_heads")
+def heads_split_over_tp(layout, num_heads):
+    if num_heads % layout.tp:
+        return (f"num_heads {num_heads} does not divide by tp = {layout.tp} (each tp rank holds whole heads); "
+                f"choose tp among the divisors of {num_heads}, or change num_heads")
+    return None
+
+
+@rule("mlp_hidden")
+def mlp_width_splits_over_tp(layout, mlp_hidden):
+    if mlp_hidden % layout.tp:
+        return (f"the MLP hidden width {mlp_hidden} does not divide by tp = {layout.tp} (each tp rank holds an equal "
+                "slice); choose tp among its divisors, or change the MLP ratio or embed_dim")
+    return None
+
+
+@rule("tokens")
+def every_cp_rank_has_tokens(layout, tokens):
+    if tokens < layout.cp:
+        return (f"the sequence has {tokens} patches, fewer than cp = {layout.cp} (each cp rank needs at least one); "
+                "lower cp, or use smaller patches or larger images")
+    return None
+
+
+@rule("dropout")
+def no_dropout_with_cp(layout, dropout):
+    if layout.cp > 1 and float(dropout) > 0:
+        return (f"dropout {dropout} with context parallelism (cp = {layout.cp}) would draw different masks for the "
+                "chunks of one sample on each cp rank; set dropout: 0 for cp > 1")
+    return None
+
+
+@rule("dropout")
+def no_dropout_with_sequence_parallel(layout, dropout):
+    if layout.sequence_parallel and float(dropout) > 0:
+        return (f"dropout {dropout} with --sequence_parallel would draw different masks for the tokens of one "
+                "sample on each tp rank; set dropout: 0, or leave out --sequence_parallel")
+    return None
+
+
+@rule("noddp")
+def fsdp_replaces_ddp(layout, noddp):
+    if layout.fsdp and noddp:
+        return "--fsdp replaces DDP: drop --noddp (or --fsdp)"
+    return None
+
+
+@rule("channels_last")
+def fsdp_shards_contiguous_weights(layout, channels_last):
+    if layout.fsdp and channels_last:
+        return ("--fsdp shards contiguous parameters, and enable_nhwc makes the patch embedding's weight "
+                "channels_last; add --no-enable_nhwc (or drop --fsdp)")
+    return None
+
+
+@rule("global_batch")
+def batch_splits_over_dp(layout, global_batch):
+    if global_batch % layout.dp or global_batch < layout.dp:
+        return (f"Error, cannot evenly distribute {global_batch} across {layout.dp} GPU. Choose a global_batch_size "
+                "divisible by the number of data-parallel ranks, or set --local_batch_size")
+    return None
