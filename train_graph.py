@@ -6,11 +6,11 @@
     TRAINING_SCRIPT=train_graph.py sbatch -N 4 submit_pm_dp.sh --config=bs256_opt --no-enable_jit
 
 `diff train.py train_graph.py` is the lesson: the step function is train.py's, captured once on a side stream and
-replayed every iteration (utils/cuda_graphs.py). Needs an NVIDIA GPU; the ViT and the UNet (fp32, bf16, or fp16
+replayed every iteration (loop/cuda_graphs.py). Needs an NVIDIA GPU; the ViT and the UNet (fp32, bf16, or fp16
 with --enable_fused).
 The run directory and checkpoints are train.py's, so a run resumes in either script.
 """
-import utils.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
+import lifecycle.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
 
 # isort: split
 import logging
@@ -18,34 +18,31 @@ import logging
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from networks import get_model
-from utils import comm, cuda_graphs, get_data_loader_distributed
-from utils.benchy import run_benchmarks
-from utils.cli import training_parser
-from utils.errors import exit_on_user_error
-from utils.flops import Peak, train_flops_per_sample
-from utils.loss import get_loss
-from utils.metrics import get_train_metrics, get_valid_metrics
-from utils.optim import get_lr_scheduler, get_optimizer
-from utils.profiling import CudaProfilerWindow, nvtx_range
-from utils.training import (
+from lifecycle.cli import training_parser
+from lifecycle.run import finish_run, load_config, restore, save, set_run_length, start_run
+from loaders import get_data_loader_distributed
+from loop import cuda_graphs
+from loop.benchy import run_benchmarks
+from loop.flops import Peak, train_flops_per_sample
+from loop.profiling import CudaProfilerWindow, nvtx_range
+from loop.reporting import (
     AutocastForward,
     EpochMeter,
     Milestones,
     devices_in_use,
-    finish_run,
-    load_config,
     log_step0,
     log_training_epoch,
     log_validation,
     open_tensorboard,
-    restore,
-    save,
-    set_run_length,
     set_train_mode,
-    start_run,
     validate,
 )
+from networks import get_model
+from task.loss import get_loss
+from task.metrics import get_train_metrics, get_valid_metrics
+from task.optim import get_lr_scheduler, get_optimizer
+from utils import comm
+from utils.errors import exit_on_user_error
 
 
 @exit_on_user_error
@@ -129,7 +126,7 @@ def main(argv=None):
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
-    if params.enable_benchy:  # time the loader, the step, and both (utils/benchy.py) instead of training
+    if params.enable_benchy:  # time the loader, the step, and both (loop/benchy.py) instead of training
         return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak,
                               optimizer)
 

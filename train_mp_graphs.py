@@ -4,20 +4,21 @@
     torchrun --nproc_per_node 4 train_mp_graphs.py --config mp --tensor_parallel 2 --context_parallel 2 ...
     TRAINING_SCRIPT=train_mp_graphs.py sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=4
 
-`diff train_mp.py train_mp_graphs.py` is the same lesson as `diff train.py train_graph.py` (utils/cuda_graphs.py):
+`diff train_mp.py train_mp_graphs.py` is the same lesson as `diff train.py train_graph.py` (loop/cuda_graphs.py):
 the tp/cp collectives, DDP's all-reduce with its cp hook and the optimizer are captured with the step.
 
 Ranks form a tp x cp x dp grid in the order --parallel_order (first name fastest). The run directory is
 <expdir>/<config>/<tp*cp>MP/<run_num>/; checkpoints hold the serial model's state (gathered on save, sharded
 on load), so they resume at any layout and in train.py.
 """
-import utils.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
+import lifecycle.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
 
 # isort: split
 import logging
 
 import torch
 
+from benchmarks.perf_model import predicted_memory_line
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
 from distributed.parallelize import parallelize
@@ -27,40 +28,36 @@ from distributed.serial_state import (
     serial_optimizer_state,
     serial_state_dict,
 )
-from networks import get_model
-from utils import comm, cuda_graphs, get_data_loader_distributed
-from utils.benchy import run_benchmarks
-from utils.cli import model_parallel_parser
-from utils.errors import exit_on_user_error
-from utils.flops import Peak, train_flops_per_sample
-from utils.layout import Layout
-from utils.loss import get_loss
-from utils.metrics import get_train_metrics, get_valid_metrics
-from utils.optim import get_lr_scheduler, get_optimizer
-from utils.perf_model import predicted_memory_line
-from utils.profiling import CudaProfilerWindow, nvtx_range, peak_memory_gb
-from utils.training import (
+from lifecycle.cli import model_parallel_parser
+from lifecycle.run import finish_run, load_config, restore, save, set_run_length, start_run
+from loaders import get_data_loader_distributed
+from loop import cuda_graphs
+from loop.benchy import run_benchmarks
+from loop.flops import Peak, train_flops_per_sample
+from loop.profiling import CudaProfilerWindow, nvtx_range, peak_memory_gb
+from loop.reporting import (
     EpochMeter,
     Milestones,
     devices_in_use,
-    finish_run,
-    load_config,
     log_step0,
     log_training_epoch,
     log_validation,
     open_tensorboard,
-    restore,
-    save,
-    set_run_length,
     set_train_mode,
-    start_run,
     validate,
 )
+from networks import get_model
+from task.loss import get_loss
+from task.metrics import get_train_metrics, get_valid_metrics
+from task.optim import get_lr_scheduler, get_optimizer
+from utils import comm
+from utils.errors import exit_on_user_error
+from utils.layout import Layout
 
 
 @exit_on_user_error
 def main(argv=None):
-    parser = model_parallel_parser(__doc__.splitlines()[0])  # + layout and memory flags (utils/cli.py)
+    parser = model_parallel_parser(__doc__.splitlines()[0])  # + layout and memory flags (lifecycle/cli.py)
     args = parser.parse_args(argv)
     params = load_config(args)
     # one Layout, checked once: the tp x cp x dp grid (dp = world / (tp * cp)) and the memory switches (utils/layout.py)
@@ -141,7 +138,7 @@ def main(argv=None):
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
-    if params.enable_benchy:  # time the loader, the step, and both (utils/benchy.py) instead of training
+    if params.enable_benchy:  # time the loader, the step, and both (loop/benchy.py) instead of training
         return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak,
                               optimizer)
 

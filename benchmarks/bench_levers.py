@@ -21,17 +21,17 @@ import torch
 from torch.utils.data import BatchSampler
 
 from benchmarks.common import device_name
+from lifecycle.cli import apply_overrides, training_parser
+from lifecycle.run import select_attention_backend
 from loaders import common as loader_common
 from loaders import get_data_loader
+from loop.benchy import endless_batches
 from networks import get_model, vit
+from task.loss import get_loss
+from task.optim import get_optimizer
 from utils import comm
 from utils.atomic import write_json
-from utils.benchy import endless_batches
-from utils.cli import apply_overrides, training_parser
 from utils.errors import ArgumentParser
-from utils.loss import get_loss
-from utils.optim import get_optimizer
-from utils.training import select_attention_backend
 from utils.YParams import YParams
 
 

@@ -42,15 +42,15 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from benchmarks.common import REPO_ROOT, cpu_cores
 from loaders.common import TorchLoader, batched_already, read_whole_batch, shared_tensor
+from loop.benchy import endless_batches
 from utils.atomic import write_json
-from utils.benchy import endless_batches
 from utils.errors import ArgumentParser
 
 BEFORE = "{name}, {workers} workers, fresh shared memory per batch (before the ring)"
 
 
 def loader_params(data_dir, batch, workers, height, width):
-    from utils.cli import apply_overrides, training_parser
+    from lifecycle.cli import apply_overrides, training_parser
     from utils.YParams import YParams
     params = YParams(os.path.join(REPO_ROOT, "config", "ViT.yaml"), "base")
     args = training_parser("bench").parse_args(["--data_dir", data_dir, "--local_batch_size", str(batch),
@@ -270,7 +270,7 @@ def main(argv=None):
 
 
 def cosmo_params(data_dir, config, batch, workers, crop, epoch_steps):
-    from utils.cli import apply_overrides, training_parser
+    from lifecycle.cli import apply_overrides, training_parser
     from utils.YParams import YParams
     params = YParams(os.path.join(REPO_ROOT, "config", "UNet.yaml"), "base")
     args = training_parser("bench").parse_args(["--data_dir", data_dir, "--local_batch_size", str(batch),

@@ -12,7 +12,7 @@ NCCL on GPUs, one per rank: a layout with more ranks than the node has GPUs is s
 layout: FULL samples/s of the job, parameters held by one rank (what tp shards: the blocks' attention and MLP
 weights; what it leaves whole: patch and position embedding, norms, head), their bytes with Adam's two moments, and
 rank 0's peak memory (CUDA allocator high watermark, or the process's peak resident size on CPUs, which the Python
-runtime dominates for a model this small). Measured on rank 0 after the trials (utils/benchy.model_memory): the
+runtime dominates for a model this small). Measured on rank 0 after the trials (loop/benchy.model_memory): the
 bytes of its parameters and gradients, and the bytes autograd saves in one forward of a batch (saved-tensor hooks,
 in autocast as trained), and of the optimizer's state (Adam's moments). Layouts also run with --sequence_parallel,
 --activation_checkpointing and --fsdp, so each flag's memory and step-time cost shows against the same layout

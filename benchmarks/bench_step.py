@@ -12,10 +12,10 @@ import time
 
 import torch
 
+from loop.flops import measure_matmul_peak, train_flops_per_sample
 from networks.vit import VisionTransformer
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
-from utils.flops import measure_matmul_peak, train_flops_per_sample
 
 
 def build(args):

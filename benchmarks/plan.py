@@ -1,4 +1,4 @@
-"""Plan a model-parallel layout before spending GPU hours: the performance model (utils/perf_model.py) predicts
+"""Plan a model-parallel layout before spending GPU hours: the performance model (benchmarks/perf_model.py) predicts
 memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout on a table of GPUs.
 
     make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
@@ -17,9 +17,7 @@ import itertools
 import json
 import math
 
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
-from utils.layout import Layout
-from utils.perf_model import (
+from benchmarks.perf_model import (
     GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
@@ -28,6 +26,8 @@ from utils.perf_model import (
     parameters_per_rank,
     predict,
 )
+from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.layout import Layout
 from utils.YParams import YParams
 
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distributed.helpers import gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
+from lifecycle.checkpoint import load_model_state
 from utils import comm
-from utils.checkpoint import load_model_state
 
 
 def _owner(model, name):

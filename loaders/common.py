@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
-from utils import signals
+from lifecycle import signals
 from utils.errors import OneRankError, UserError
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"

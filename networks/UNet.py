@@ -3,7 +3,7 @@
 Encoder: stride-2 convolutions (kernel 4) with LeakyReLU, 5 levels (6 with `full_scale`). Decoder: stride-2
 transposed convolutions with ReLU, each fed [upsampled, encoder feature] concatenated along channels; the last
 transposed convolution returns to the input resolution and a tanh bounds the output to (-1, 1). Its loss is
-l1_rho_loss in utils/loss.py (`loss: 'l1_rho'`).
+l1_rho_loss in task/loss.py (`loss: 'l1_rho'`).
 """
 import torch
 import torch.nn as nn

@@ -2,7 +2,7 @@
 the blocks keep only their inputs for the backward pass (measured with saved-tensor hooks), gradients are those of
 the plain model, and the recomputation replays the dropout masks (a run equals the run without checkpointing; the
 twin, without the random state kept, does not). tp=2 x cp=2 with checkpointing against serial train.py is in
-tests/test_train_mp.py. A failure points to distributed/parallelize.py or utils/profiling.py (SavedActivations)."""
+tests/test_train_mp.py. A failure points to distributed/parallelize.py or loop/profiling.py (SavedActivations)."""
 import os
 
 import pytest
@@ -12,10 +12,10 @@ import yaml
 import distributed.parallelize
 import train_mp
 from distributed.parallelize import checkpoint_blocks
+from loop.profiling import SavedActivations
 from networks import get_model
 from tests.test_train_mp import results
 from utils import comm
-from utils.profiling import SavedActivations
 from utils.YParams import YParams
 
 pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("in_repo_root")]

@@ -1,6 +1,6 @@
 """Checkpoints: resume equals an uninterrupted run, writes are atomic, foreign checkpoints are refused.
 
-A failure points to utils/checkpoint.py or the resume logic in train.py (data position, RNG, scheduler).
+A failure points to lifecycle/checkpoint.py or the resume logic in train.py (data position, RNG, scheduler).
 """
 import os
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import lifecycle.checkpoint
 import train
-import utils.checkpoint
+from lifecycle.checkpoint import load_checkpoint, save_checkpoint
 from tests.conftest import REPO_ROOT
-from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -79,7 +79,7 @@ def test_interrupted_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
         f.write(b"half a checkpoint")
         raise KeyboardInterrupt  # killed mid-write
 
-    monkeypatch.setattr(utils.checkpoint.torch, "save", dying_save)
+    monkeypatch.setattr(lifecycle.checkpoint.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, {"iteration": 2, "weights": torch.zeros(10)})
     monkeypatch.undo()

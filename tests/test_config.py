@@ -1,8 +1,8 @@
-"""Config loading and flag overrides. A failure points to utils/YParams.py or utils/cli.py."""
+"""Config loading and flag overrides. A failure points to utils/YParams.py or lifecycle/cli.py."""
 import pytest
 import torch
 
-from utils.cli import apply_overrides, reroot, training_parser
+from lifecycle.cli import apply_overrides, reroot, training_parser
 from utils.errors import UserError
 from utils.YParams import YParams
 

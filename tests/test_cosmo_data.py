@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import sample_data.convert_to_npy as convert_to_npy
+from lifecycle.cli import apply_overrides, training_parser
 from loaders import get_data_loader
 from loaders.cosmo import ROTATIONS, CosmoDataset, CropPlan, crop_plan, rotate
 from sample_data.common import SampleDataError
 from sample_data.cosmo import TRAIN_FILE, VALID_FILE, add_cosmo_parser, write_cosmo
-from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
 from utils.YParams import YParams
 

@@ -18,10 +18,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from lifecycle.cli import apply_overrides, training_parser
 from loaders import get_data_loader
 from loaders.cosmo import ROTATIONS, CosmoDataset, CropPlan
 from sample_data.cosmo import write_cosmo
-from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
 from utils.YParams import YParams
 

@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from lifecycle.cli import apply_overrides, training_parser
 from loaders import get_data_loader
-from utils.cli import apply_overrides, training_parser
 from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")

@@ -5,8 +5,8 @@ config/UNet.yaml, config/ResNet50.yaml; config `tiny`) is built on the CPU as tr
 and buffer is replaced by a fake tensor on `cuda` of the same shape, dtype and stride, and so is the batch (train.py's
 to_device). Then train.py's step runs under torch.autocast("cuda") with the config's dtype (fp32, bf16, fp16), in
 the default and in the channels_last format (enable_nhwc), and for the ViT also at tp=2 x cp=2 on a fake process
-group (train_mp.py): the forward, the loss (utils/loss.py), the training metrics (utils/metrics.py) into an
-EpochMeter, and utils.training.validate (validation loss and metrics, up to its reduction over "dp"). Their outputs
+group (train_mp.py): the forward, the loss (task/loss.py), the training metrics (task/metrics.py) into an
+EpochMeter, and loop.reporting.validate (validation loss and metrics, up to its reduction over "dp"). Their outputs
 must be fake tensors on cuda, the forward's in the autocast dtype. A CPU tensor of one or more dimensions mixed into
 any of it (a `torch.arange(n)` or a mask made without device=, a tensor kept in an attribute that is not a buffer, a
 target left on the CPU) raises FakeTensor's device-mismatch error, as it would fail on a GPU; the twins inject such
@@ -18,7 +18,7 @@ grad and no graph is recorded), zero-dimensional CPU tensors (FakeTensor lets th
 Torch 2.5's FakeTensorMode calls the CUDA driver for some ops (attention, batch norm in training, channels_last
 copies, bf16 convolutions) and has no kernel for the c10d collectives: the cases that need them are skipped there,
 naming the op. A failure of a check (not a twin) points to the file of the frame that made or kept the CPU tensor:
-networks/ (forward), distributed/ (tp x cp layers), utils/loss.py, utils/metrics.py, utils/training.py (EpochMeter.add,
+networks/ (forward), distributed/ (tp x cp layers), task/loss.py, task/metrics.py, loop/reporting.py (EpochMeter.add,
 validate).
 """
 import copy
@@ -34,21 +34,22 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, Unsupporte
 
 from distributed.helpers import init_params_for_shared_weights
 from distributed.layers import DistributedMatmul
+from lifecycle.cli import apply_overrides, training_parser
 from loaders.images import sample_shape as image_sample_shape
+from loop.reporting import EpochMeter, set_train_mode, validate
 from networks import get_model
+from task import metrics
+from task.loss import get_loss
+from task.metrics import get_train_metrics, get_valid_metrics
 from tests.conftest import REPO_ROOT
-from utils import comm, metrics
-from utils.cli import apply_overrides, training_parser
-from utils.loss import get_loss
-from utils.metrics import get_train_metrics, get_valid_metrics
-from utils.training import EpochMeter, set_train_mode, validate
+from utils import comm
 from utils.YParams import YParams
 
 pytestmark = [pytest.mark.compat]
 
 YAML = {"vit": "ViT.yaml", "unet": "UNet.yaml", "resnet": "ResNet50.yaml"}
 PRECISIONS = ["none", "bf16", "fp16"]  # --amp_mode: fp32, bf16 and fp16 autocast
-VALID_TAGS = {"vit": 1, "unet": 0, "resnet": 2}  # validation metrics of each stage (utils/metrics.py)
+VALID_TAGS = {"vit": 1, "unet": 0, "resnet": 2}  # validation metrics of each stage (task/metrics.py)
 # FakeTensor's device check: "found two different devices cuda:0, cpu" (torch 2.5), "found at least two devices,
 # cuda:0 and cpu!" (later)
 DEVICE_MISMATCH = r"two (different )?devices.*(cuda:0.*cpu|cpu.*cuda:0)"
@@ -182,7 +183,7 @@ class ReductionReached(Exception):
 
 
 def validation_sums(model, batch, to_device, loss_fn, metrics_fn, autocast, monkeypatch):
-    """utils.training.validate on one batch, stopped at its reduction (a fake tensor has no value to .item())."""
+    """loop.reporting.validate on one batch, stopped at its reduction (a fake tensor has no value to .item())."""
     def stop(tensor, group="dp"):
         raise ReductionReached(tensor)
 

@@ -6,7 +6,7 @@ the blocks compute with bf16 weights gathered from the fp32 shards (MixedPrecisi
 saved activations measured under FSDP are those of the unsharded model (the gathered weights, freed after each
 block, are not counted); the torch-version shim (utils/compat.fsdp_api) refuses a CPU run on torch 2.5 in one line;
 --fsdp with --noddp or channels_last is one line. A failure points to distributed/parallelize.py, utils/compat.py or
-utils/profiling.py (SavedActivations).
+loop/profiling.py (SavedActivations).
 """
 import pytest
 import torch
@@ -59,10 +59,10 @@ def _sharded_rank(rank, world, port, found):
     as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from distributed.parallelize import shard_fully
+    from loop.benchy import model_memory
+    from loop.profiling import SavedActivations
     from networks import get_model
     from utils import comm
-    from utils.benchy import model_memory
-    from utils.profiling import SavedActivations
     from utils.YParams import YParams
     comm.init({"tp": 1, "cp": 1}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")

@@ -1,7 +1,7 @@
 """CUDA-only paths (single GPU: bf16/fp16 autocast, fused optimizers, NVTX ranges, the profiler window, the
 benchmark mode, DataParallel with channels_last; on 2 GPUs: tensor parallelism and FSDP over NCCL).
 
-Skipped without a GPU. A failure points to device handling in train.py, utils/comm.py or utils/profiling.py.
+Skipped without a GPU. A failure points to device handling in train.py, utils/comm.py or loop/profiling.py.
 """
 import json
 import os

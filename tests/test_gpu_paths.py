@@ -1,13 +1,13 @@
 """GPU-only defects reproduced on the CPU: each check of a fix has a twin that shows the defect without it.
 
 - DataParallel runs each replica in a thread of its own, where torch re-enters autocast without the dtype (fp16 on
-  CUDA): the replica's forward must carry the run's dtype (utils/training.AutocastForward).
+  CUDA): the replica's forward must carry the run's dtype (loop/reporting.AutocastForward).
 - fp16 with tensor parallelism: one rank's gradient shard overflowing must skip the step on every rank of the
   model-parallel group, with one loss scale (distributed/grad_scaler.py).
 - Copies of replicated weights (over tp) whose gradients round differently on each rank (atomics, cuDNN algorithms
   autotuned per rank) must stay bitwise equal (distributed/mappings._reduce_marked_gradients).
 - Two ranks of a node on one GPU, a GPU node whose GPUs PyTorch cannot use, TF32 forced by the container: one line
-  each, or the right peak (utils/comm.py, utils/flops.py).
+  each, or the right peak (utils/comm.py, loop/flops.py).
 - A tensor learning rate stays the tensor a CUDA graph was captured with, whatever the torch version's schedules
   do (utils/compat.py).
 """
@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loop import flops
+from loop.reporting import AutocastForward
 from tests.conftest import as_spawned_rank, free_port
-from utils import comm, compat, flops, rendezvous
+from utils import comm, compat, rendezvous
 from utils.errors import UserError
-from utils.training import AutocastForward
 
 pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("in_repo_root")]
 
@@ -78,7 +79,7 @@ def _tp2_rank(rank, world, port, found):
     from distributed.helpers import init_params_for_shared_weights, mark_shared
     from distributed.mappings import init_ddp_model_and_reduction_hooks
     from networks import get_model
-    from utils.loss import get_loss
+    from task.loss import get_loss
     from utils.YParams import YParams
     torch.set_num_threads(1)
     comm.init({"tp": 2}, rendezvous_timeout=60)

@@ -15,7 +15,7 @@ path reads the step count with .item(), which the capturable GPU path does not. 
 --enable_fused on a GPU; in fp32 and in fp16 (GradScaler hands the fused kernel the scale and the inf flag as
 tensors). The non-fused capturable path can only be checked on a GPU (tests marked gpu). The twins add an `.item()`
 or a `nonzero` to the loss and are caught. A failure names the line that syncs: the step in the scripts,
-utils/cuda_graphs.py, utils/optim.py, utils/loss.py, networks/ or distributed/.
+loop/cuda_graphs.py, task/optim.py, task/loss.py, networks/ or distributed/.
 """
 import os
 import traceback
@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_graph
 import train_mp_graphs
+from loop import cuda_graphs
 from tests.conftest import REPO_ROOT
 from tests.test_train_graph import emulated_graphs, run_tiny  # noqa: F401 (a fixture)
-from utils import cuda_graphs
 
 pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("in_repo_root")]
 aten = torch.ops.aten

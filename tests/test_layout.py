@@ -4,9 +4,9 @@ Every project .py file is parsed and every import in it (at module level and ins
 are) becomes an edge between files; `from pkg import name` points to pkg/name.py when that file exists, else to
 pkg/__init__.py. The rules:
 - no cycle between files (two modules that need each other cannot be read, or tested, one at a time);
-- the lower layers (utils/, loaders/, distributed/) import nothing from networks/ or the training scripts;
-- loaders/ and sample_data/ import nothing from benchmarks/; loaders/common.py, which every loader imports, imports
-  no other loader module;
+- packages in tiers (TIERS): a package imports only packages of lower tiers, none of its own tier and no training
+  script, so that no two packages need each other; loaders/common.py, which every loader imports, imports no
+  other loader module;
 - no `from X import _name` of a project module: a name used by another module is public.
 A failure names the cycle or the offending import (file:line); each check has a twin on a small tree or graph that
 breaks the rule, so a checker that stopped looking would fail there.
@@ -123,18 +123,51 @@ def private_imports(root):
     return found
 
 
-LAYER_RULES = [  # (importers, what they must not import, why)
-    (("utils/", "loaders/", "distributed/"), ("networks/", *TRAINING_SCRIPTS),
-     "the lower layers must not import the models or the training scripts"),
-    (("loaders/", "sample_data/"), ("benchmarks/",), "data code must not import the benchmarks"),
+# The packages from the bottom up: a package imports only packages of lower tiers (never one of its own tier, never a
+# training script); the scripts and tests/ sit on top. A new package must be placed here.
+TIERS = [
+    ("utils",),  # the foundation: errors and files, the config file, the process grid and its layout
+    ("lifecycle", "task"),  # a run's life (flags, signals, checkpoints); the loss, metrics and optimizers
+    ("distributed",),  # the tensor- and context-parallel layers and what wraps a model for parallelism
+    ("networks", "loaders"),  # the models; the data loaders
+    ("sample_data", "loop"),  # the sample data sets; what the training loops share
+    ("exercises", "benchmarks"),  # the exercise; benchmarks, the performance model and the planner
+]
+TOP = ("tests",)  # may import anything
+FILE_RULES = [  # (importers, what they must not import, why)
     (("loaders/common.py",), ("loaders/",), "loaders/common.py is what every loader imports; it imports none"),
 ]
 
 
+def package_of(relpath):
+    return relpath.split("/", 1)[0] if "/" in relpath else None  # None: a top-level script
+
+
+def tier_of(package):
+    return next((rank for rank, tier in enumerate(TIERS) if package in tier), None)
+
+
 def layer_violations(graph):
-    """Every import that breaks one of LAYER_RULES, with the rule's reason."""
-    return [f"{why}: {found}" for importers, imported, why in LAYER_RULES
-            for found in forbidden_imports(graph, importers, imported)]
+    """Every import that points up or sideways between packages, every package not placed in TIERS, and every import
+    that breaks FILE_RULES; each names the file and line."""
+    found = []
+    for source, edges in sorted(graph.items()):
+        package = package_of(source)
+        if package is None or package in TOP:
+            continue
+        if tier_of(package) is None:
+            found.append(f"package {package}/ is not placed in TIERS (tests/test_layout.py): {source}")
+            continue
+        for target, line in sorted(edges.items()):
+            other = package_of(target)
+            if other == package:
+                continue
+            if other is None:
+                found.append(f"a package must not import a training script: {source}:{line} imports {target}")
+            elif tier_of(other) is None or tier_of(other) >= tier_of(package):
+                found.append(f"imports must point down (TIERS): {source}:{line} imports {target}")
+    return found + [f"{why}: {edge}" for importers, imported, why in FILE_RULES
+                    for edge in forbidden_imports(graph, importers, imported)]
 
 
 def test_the_project_is_parsed_and_its_imports_resolved():
@@ -145,7 +178,7 @@ def test_the_project_is_parsed_and_its_imports_resolved():
                  "tests/test_layout.py"):
         assert path in graph, path
     assert not any(path.startswith((".venv", "data/")) for path in graph)
-    assert "loaders/__init__.py" in graph["utils/__init__.py"]  # a lazy import, inside a function
+    assert "loaders/images.py" in graph["sample_data/images.py"]  # a lazy import, inside a function
     assert "loaders/dali_era5.py" in graph["loaders/__init__.py"]  # `from loaders import dali_era5`, lazily
     assert "utils/comm.py" in graph["distributed/helpers.py"]  # `from utils import comm`
     assert "loaders/__init__.py" in graph["benchmarks/bench_loader.py"]  # `from loaders import get_data_loader`
@@ -176,23 +209,57 @@ def test_lower_layers_do_not_import_upward():
     assert not violations, "\n".join(violations)
 
 
-def test_layer_check_reports_an_upward_import(tmp_path):
-    """Twin: utils/ importing the UNet's loss from networks/ (as utils/loss.py once did), a loader importing a
-    benchmark and loaders/common.py importing a loader are each reported, with file and line."""
-    for folder in ("utils", "networks", "loaders", "benchmarks"):
+def test_layer_check_reports_imports_that_do_not_point_down(tmp_path):
+    """Twin: utils/ importing the UNet's loss from networks/ (as utils/loss.py once did), utils/ and loaders/ importing
+    each other (as utils/__init__.py's loader dispatch once did: a cycle of packages, not of files), a loader
+    importing a benchmark, a package importing a training script, an unplaced package, and loaders/common.py
+    importing a loader are each reported, with file and line."""
+    for folder in ("utils", "networks", "loaders", "benchmarks", "extras"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
     (tmp_path / "networks" / "UNet.py").write_text("def loss_func():\n    pass\n")
     (tmp_path / "utils" / "loss.py").write_text("def get_loss():\n    from networks.UNet import loss_func\n")
+    (tmp_path / "utils" / "data.py").write_text("def loader():\n    from loaders import era5\n")
     (tmp_path / "benchmarks" / "common.py").write_text("")
-    (tmp_path / "loaders" / "era5.py").write_text("from benchmarks.common import *  # noqa\n")
+    (tmp_path / "loaders" / "era5.py").write_text("from benchmarks.common import *  # noqa\nfrom utils import data\n")
     (tmp_path / "loaders" / "common.py").write_text("\n\nfrom loaders import era5\n")
+    (tmp_path / "networks" / "vit.py").write_text("import train\n")
     (tmp_path / "train.py").write_text("from utils.loss import get_loss\n")
     violations = layer_violations(import_graph(str(tmp_path)))
-    assert any("utils/loss.py:2 imports networks/UNet.py" in v for v in violations), violations
-    assert any("loaders/era5.py:1 imports benchmarks/common.py" in v for v in violations), violations
-    assert any("loaders/common.py:3 imports loaders/era5.py" in v for v in violations), violations
-    assert len(violations) == 3, violations  # train.py importing utils/ is the right direction
+    for expected in ("utils/loss.py:2 imports networks/UNet.py", "utils/data.py:2 imports loaders/era5.py",
+                     "loaders/era5.py:1 imports benchmarks/common.py", "networks/vit.py:1 imports train.py",
+                     "package extras/ is not placed", "loaders/common.py:3 imports loaders/era5.py"):
+        assert any(expected in v for v in violations), (expected, violations)
+    assert len(violations) == 6, violations  # train.py importing utils/, loaders/ importing utils/: the right way
+    assert not any("era5.py:2" in v for v in violations)
+
+
+def test_the_project_follows_its_tiers():
+    """Every package of the project is placed, and no tier is empty."""
+    packages = {package_of(path) for path in import_graph(REPO_ROOT)} - {None, *TOP}
+    placed = {package for tier in TIERS for package in tier}
+    assert packages == placed, (packages - placed, placed - packages)
+
+
+def constant_definitions(root, name):
+    """'file:line' of every module-level assignment to `name` in the project."""
+    found = []
+    for relpath in project_files(root):
+        with open(os.path.join(root, relpath), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=relpath)
+        found += [f"{relpath}:{node.lineno}" for node in tree.body if isinstance(node, ast.Assign)
+                  and any(isinstance(target, ast.Name) and target.id == name for target in node.targets)]
+    return found
+
+
+def test_the_mlp_ratio_is_defined_once(tmp_path):
+    """MLP_RATIO lives in networks/vit.py only (the performance model asks the ViT); the twin: a second definition,
+    as utils/perf_model.py once had, is found."""
+    (found,) = constant_definitions(REPO_ROOT, "MLP_RATIO")
+    assert found.startswith("networks/vit.py:"), found
+    (tmp_path / "a.py").write_text("MLP_RATIO = 4.0\n")
+    (tmp_path / "b.py").write_text("import a\n\nMLP_RATIO = 4.0  # a copy\n")
+    assert constant_definitions(str(tmp_path), "MLP_RATIO") == ["a.py:1", "b.py:3"]
 
 
 def test_no_private_name_is_imported_from_another_module():

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import loaders.common
+from lifecycle.cli import apply_overrides, training_parser
 from loaders.common import torch_loader
 from loaders.era5 import ERA5Dataset
 from tests.test_data_loader import data, make_params  # noqa: F401 (the fixture)
-from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""The loop's decisions, made in one place (utils/training.Milestones): when an epoch ends (report, validation),
+"""The loop's decisions, made in one place (loop/reporting.Milestones): when an epoch ends (report, validation),
 when a checkpoint is due, when the run stops. The training tests check what these decisions produce (resume equal
 to an uninterrupted run, --stop_at_iter, --desired_acc); here each decision is checked against its rule on a small
 schedule. A failure points to Milestones, or to a loop that no longer asks it."""
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from utils import signals
-from utils.training import Milestones
+from lifecycle import signals
+from loop.reporting import Milestones
 
 
 def milestones(num_iters=20, steps_per_epoch=6, interval=5, stop_at_iter=None, desired_acc=None):
@@ -47,7 +47,7 @@ def test_a_run_resumed_at_its_stop_at_iter_says_there_is_nothing_to_train(caplog
 
 
 def test_a_signal_stops_the_run_after_the_step_it_arrived_in(caplog):
-    """A real signal to this process, recorded by utils/signals.py's handler: the next question stops the run and
+    """A real signal to this process, recorded by lifecycle/signals.py's handler: the next question stops the run and
     names it. Twin: before the signal, and after the handlers are gone, the same question goes on."""
     caplog.set_level("INFO")
     decide = milestones()

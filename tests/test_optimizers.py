@@ -3,7 +3,7 @@
 With fp16, GradScaler hands a fused optimizer its inf flag instead of skipping step(). torch's fused SGD then
 allocates its momentum buffers uninitialised on a first step, returns at once, and keeps them: the next step
 multiplies garbage (the ResNet configs with enable_fused stopped on a nan loss at iteration 3 on an H100 and on a
-CPU). A failure here points to utils/optim.zero_momentum_buffers or to an optimizer a config newly builds.
+CPU). A failure here points to task/optim.zero_momentum_buffers or to an optimizer a config newly builds.
 """
 import copy
 import os
@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
+from lifecycle.cli import apply_overrides, training_parser
+from task.optim import get_optimizer
 from tests.conftest import REPO_ROOT
-from utils.cli import apply_overrides, training_parser
-from utils.optim import get_optimizer
 from utils.YParams import YParams, read_configs
 
 pytestmark = [pytest.mark.usefixtures("in_repo_root"), pytest.mark.compat]
@@ -97,7 +97,7 @@ def test_an_overflowed_first_step_leaves_no_trace(yaml, name, kernels, uninitial
 def test_without_zeroed_buffers_fused_sgd_keeps_the_garbage(uninitialised_memory_is_nan, monkeypatch):
     """The twin: with the buffers left for the fused SGD to allocate, the overflowed first step keeps them
     uninitialised and the weights turn nan."""
-    monkeypatch.setattr("utils.optim.zero_momentum_buffers", lambda optimizer: optimizer)
+    monkeypatch.setattr("task.optim.zero_momentum_buffers", lambda optimizer: optimizer)
     got, _ = overflow_then_finite("config/ResNet50.yaml", "bs128-opt", "fused")
     assert config_params("config/ResNet50.yaml", "bs128-opt").enable_fused
     assert torch.isnan(got["weight"]).any()

@@ -9,7 +9,7 @@ sizes). The ERA5 files are HDF5 of the real shape whose chunks were never writte
 nothing); the cosmology boxes are generated at 64^3, the original crop size. One batch is read through each stage's
 pipeline at the original sample size, with --local_batch_size 1 --num_data_workers 0 added.
 
-A failure points to the command file (a stale line), to utils/cli.py or the scripts' flags (the command no longer
+A failure points to the command file (a stale line), to lifecycle/cli.py or the scripts' flags (the command no longer
 parses or resolves), to config/ViT.yaml / config/UNet.yaml (a config no longer names a DALI loader), or to the
 DALI loaders' dispatch and construction (loaders/__init__.py, loaders/dali_era5.py,
 loaders/dali_cosmo.py).
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 
+from lifecycle.cli import apply_overrides
 from loaders import get_data_loader
 from sample_data.cosmo import write_cosmo
 from tests.conftest import REPO_ROOT
-from utils.cli import apply_overrides
 from utils.YParams import YParams, read_configs
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")

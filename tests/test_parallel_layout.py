@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks import plan
+from lifecycle.cli import apply_overrides, model_parallel_parser, training_parser
 from utils import comm, layout
-from utils.cli import apply_overrides, model_parallel_parser, training_parser
 from utils.errors import UserError
 from utils.layout import RULES, Layout
 from utils.YParams import YParams

@@ -1,4 +1,4 @@
-"""The performance model's time and memory (utils/perf_model.predict) and the layout planner (benchmarks/plan.py):
+"""The performance model's time and memory (benchmarks/perf_model.predict) and the layout planner (benchmarks/plan.py):
 
 - the published GPU runs (the original tutorial's README, A100 on Perlmutter): samples/s within 25% and the memory
   line within 15% (of the predicted peak: the line reads NVML at the second step, when the allocator's cache holds
@@ -17,11 +17,10 @@ import sys
 
 import pytest
 
-from benchmarks import plan
+from benchmarks import perf_model, plan
+from benchmarks.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
 from tests.conftest import REPO_ROOT
-from utils import perf_model
 from utils.layout import Layout
-from utils.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
 from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")

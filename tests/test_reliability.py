@@ -1,8 +1,8 @@
 """What goes wrong in real runs: nan losses, two runs in one directory, a kill during validation, a missing peer,
 bad files and flags, a full disk, a killed rank under torchrun. Each test fails on the code before the fix.
 
-A failure points to utils/training.py (meter, checkpoints), utils/run_lock.py, utils/rendezvous.py, utils/checkpoint.py,
-utils/YParams.py, utils/cli.py, the data loaders, or train.py's loop.
+A failure points to lifecycle/run.py (checkpoints), loop/reporting.py (meter), lifecycle/run_lock.py,
+utils/rendezvous.py, lifecycle/checkpoint.py, utils/YParams.py, lifecycle/cli.py, the data loaders, or train.py's loop.
 """
 import errno
 import gc
@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+import lifecycle.checkpoint
+import loop.flops
 import train
-import utils.checkpoint
-import utils.flops
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
 from utils.errors import UserError
@@ -73,7 +73,8 @@ def test_second_run_in_the_same_directory_is_refused_until_the_first_ends(small_
     run_dir = run_dir_of(tmp_path)
     os.makedirs(run_dir)
     # the holder forks a child (as a loader worker is): killing the holder alone must free the directory
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from utils.run_lock import RunDirectoryLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; "
+                               "from lifecycle.run_lock import RunDirectoryLock; "
                                f"RunDirectoryLock({run_dir!r}); child = os.fork(); child or time.sleep(60); "
                                "print('locked', child, flush=True); time.sleep(120)"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
@@ -149,7 +150,7 @@ def test_rank_without_rank0_gives_up_with_one_line():
 
 def test_mfu_never_above_100_percent_when_the_measured_peak_is_low(small_era5, tmp_path, monkeypatch):
     """A loaded machine measures a low start-up peak; MFU must not read 238% then."""
-    monkeypatch.setattr(utils.flops, "measure_matmul_peak", lambda *args, **kwargs: 1e3)  # 1 kFLOP/s
+    monkeypatch.setattr(loop.flops, "measure_matmul_peak", lambda *args, **kwargs: 1e3)  # 1 kFLOP/s
     train.main(tiny(small_era5, tmp_path, "--num_iters", "6"))
     log = open(os.path.join(run_dir_of(tmp_path), "out.log")).read()
     mfu = [float(m) for m in re.findall(r"MFU (\d+\.\d)%", log)]
@@ -232,7 +233,7 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(small_era5,
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(utils.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(lifecycle.checkpoint.torch, "save", full_disk)
     # torch's zip writer says only "[enforce fail at inline_container.cc:...] . unexpected pos": named for what it is
     reason = "the disk is full or over its quota: [^;]+" if how == "zip_writer" else "No space left on device"
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "8", "--checkpoint_interval", "2"),
@@ -245,7 +246,7 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(small_era5,
 def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path, capsys, monkeypatch):
     """The run lock is the first file a run writes: a full disk there is one line naming the run directory and its
     free space, and no run.lock stays behind."""
-    import utils.run_lock
+    import lifecycle.run_lock
 
     class FullDiskFile:
         def __init__(self, path, mode):
@@ -260,7 +261,7 @@ def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path,
         def fileno(self):
             return self.file.fileno()
 
-    monkeypatch.setattr(utils.run_lock, "open", FullDiskFile, raising=False)
+    monkeypatch.setattr(lifecycle.run_lock, "open", FullDiskFile, raising=False)
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"),
                r"cannot write in the run directory '.*00' \(No space left on device; [0-9.]+ GB free\); free disk "
                r"space")
@@ -394,7 +395,7 @@ def test_torch_distributed_launch_command_runs(small_era5, tmp_path):
 
 def test_profiler_window_spans_an_nvtx_range_named_profile(monkeypatch):
     """`nsys --capture-range=nvtx --nvtx-capture=PROFILE` needs the range; recorded here with CUDA stubbed out."""
-    from utils.profiling import CudaProfilerWindow
+    from loop.profiling import CudaProfilerWindow
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)

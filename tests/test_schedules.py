@@ -1,12 +1,12 @@
-"""Learning-rate schedules of the three stages, checked at known steps. Failures point to utils/optim.py
+"""Learning-rate schedules of the three stages, checked at known steps. Failures point to task/optim.py
 (or to the config values it reads in config/UNet.yaml and config/ResNet50.yaml)."""
 import math
 
 import pytest
 import torch
 
-from utils.cli import apply_overrides, training_parser
-from utils.optim import get_lr_scheduler, get_optimizer
+from lifecycle.cli import apply_overrides, training_parser
+from task.optim import get_lr_scheduler, get_optimizer
 from utils.YParams import YParams
 
 pytestmark = [

@@ -1,10 +1,10 @@
 """A time limit, a preemption, Ctrl-C: SIGTERM, SIGINT or SIGUSR1 stop a run at the next step boundary with a
 checkpoint, the line "stopped by SIGTERM at iteration N; starting again resumes here" and exit code 75
-(utils/signals.py), and the run started again ends where an uninterrupted one does, in every TensorBoard point and
+(lifecycle/signals.py), and the run started again ends where an uninterrupted one does, in every TensorBoard point and
 in the weights. Real processes: one process, and 2 gloo ranks under torchrun at tp=2 (torchrun forwards SIGTERM to
 its ranks; they agree on the step to stop after).
 
-A failure points to utils/signals.py (handlers, the agreement), utils/training.Milestones.stop, finish_run's exit
+A failure points to lifecycle/signals.py (handlers, the agreement), loop/reporting.Milestones.stop, finish_run's exit
 code, or the checkpoint the loop writes when it stops.
 """
 import contextlib
@@ -105,7 +105,7 @@ def test_ctrl_c_and_slurms_warning_signal_stop_the_same_way(era5_dir, tmp_path, 
 def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_dir, tmp_path):
     """Twin: with the handlers switched off (the loop never learns of the signal) SIGTERM ends the process at once:
     no checkpoint, no line, and not the requeue exit code."""
-    code = ("import sys, utils.signals as s; s.install = s.record_from_start = lambda: None; import train; "
+    code = ("import sys, lifecycle.signals as s; s.install = s.record_from_start = lambda: None; import train; "
             "sys.argv[0] = 'train.py'; train.main(sys.argv[1:])")
     argv = ["-c", code, "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--checkpoint_interval",
             "0", "--expdir", str(tmp_path)]
@@ -154,8 +154,8 @@ def test_a_dali_worker_ignores_every_stop_signal_but_its_loaders_sigterm():
     import multiprocessing
     import pickle
 
+    from lifecycle import signals
     from loaders.common import SamplerSource
-    from utils import signals
     source = pickle.dumps(SamplerSource([0, 1, 2, 3], 2, 2, 0, 0))
     context = multiprocessing.get_context("spawn")
     worker_signalled, twin_signalled = context.Event(), context.Event()
@@ -285,7 +285,7 @@ def handles(pid, signum):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
 def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_nothing_written(era5_dir, tmp_path, signum):
-    """The signal reaches the process as soon as its first line (utils/early_signals.py) has run, i.e. while torch
+    """The signal reaches the process as soon as its first line (lifecycle/early_signals.py) has run, i.e. while torch
     imports: it is recorded, and the run stops at the end of start_run in one line, exit 75, no checkpoint. Before:
     SIGUSR1 exit 138 with nothing said, SIGTERM 143, SIGINT a traceback."""
     argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "20", "--expdir", str(tmp_path)]
@@ -302,9 +302,10 @@ def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_nothing_writ
 
 
 def test_without_the_first_line_a_signal_during_the_imports_kills_the_run_silently(era5_dir, tmp_path):
-    """Twin: without utils/early_signals.py's handlers, SIGUSR1 while torch imports ends the process at once with
+    """Twin: without lifecycle/early_signals.py's handlers, SIGUSR1 while torch imports ends the process at once with
     SIGUSR1's status (138 in a shell), which the submit scripts do not requeue."""
-    code = "import sys, utils.signals as s; s.record_from_start = lambda: None; sys.argv[0] = 'train.py'; import train"
+    code = ("import sys, lifecycle.signals as s; s.record_from_start = lambda: None; sys.argv[0] = 'train.py'; "
+            "import train")
     log_path = tmp_path / "run.log"
     process = start_in_own_group(["-c", code], log_path)
     time.sleep(0.3)  # torch's import takes longer than this
@@ -316,7 +317,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
     """Two SIGINTs in quick succession: the second stops at once (KeyboardInterrupt, SIGINT's status), said in one
     line. The second goes out as soon as the first is recorded: two that both arrive before Python runs its handler
     are one signal to it (the run then stops at the step boundary, with 75)."""
-    from utils.signals import INTERRUPTED
+    from lifecycle.signals import INTERRUPTED
     argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--expdir", str(tmp_path)]
     log_path = tmp_path / "run.log"
     process = start_in_own_group(argv, log_path)

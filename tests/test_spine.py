@@ -1,6 +1,6 @@
-"""The shared training spine (utils/training.py, the loader interface, the "dp" group): train.py built on it
-reproduces the recorded numbers of each stage, loaders serve the loop through one interface, reductions follow
-the named group, and the LR schedule is stepped outside the training step.
+"""What the training scripts share (lifecycle/run.py, loop/reporting.py, the loader interface, the "dp" group):
+train.py built on it reproduces the recorded numbers of each stage, loaders serve the loop through one interface,
+reductions follow the named group, and the LR schedule is stepped outside the training step.
 
 A failure in the first test means a change altered what training computes (tests/data/spine_reference.json holds
 every TensorBoard point and the weight sums of each stage's `tiny` run, recorded with the original train.py); the
@@ -129,7 +129,7 @@ def test_unpinned_kernels_give_other_numbers_for_avx2_and_avx512_code_paths(stag
 
 
 def params_for(tmp_path, era5_dir, **changes):
-    from utils.cli import apply_overrides, training_parser
+    from lifecycle.cli import apply_overrides, training_parser
     from utils.YParams import YParams
     params = YParams("config/ViT.yaml", "tiny")
     args = training_parser("t").parse_args(["--config", "tiny", "--data_dir", era5_dir])
@@ -158,8 +158,8 @@ def test_torch_loader_resumes_mid_epoch_and_peeks_without_consuming(era5_dir, tm
 def test_first_batch_of_random_crops_leaves_the_training_stream_alone(tmp_path):
     """The cosmology dataset draws crops from its own generator: looking at the step-0 batch must not shift
     the crops training sees."""
+    from lifecycle.cli import apply_overrides, training_parser
     from loaders import get_data_loader
-    from utils.cli import apply_overrides, training_parser
     from utils.YParams import YParams
     data = write_cosmo(tmp_path / "cosmo", verbose=False)
     params = YParams("config/UNet.yaml", "tiny")

@@ -1,6 +1,6 @@
 """train.py end to end on CPU: log lines, TensorBoard tags, loss falls, AMP/fused/compile, bad input.
 
-A failure here points to train.py or the seams it calls (utils/cli.py, loaders/, utils/optim.py).
+A failure here points to train.py or the seams it calls (lifecycle/cli.py, loaders/, task/optim.py).
 """
 import os
 import re

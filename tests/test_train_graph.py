@@ -1,4 +1,4 @@
-"""train_graph.py and train_mp_graphs.py: the training step captured in a CUDA graph (utils/cuda_graphs.py).
+"""train_graph.py and train_mp_graphs.py: the training step captured in a CUDA graph (loop/cuda_graphs.py).
 
 On the CPU there are no graphs: without CUDA both scripts (and benchmarks/bench_graph.py) stop with one line and
 exit code 2, and so do fp16 without the fused Adam, --enable_jit and the ResNet stage. With the capture
@@ -10,8 +10,8 @@ replaced instead of filled) do not. On a GPU (marked gpu, run by `make gpu-check
 losses for the ViT, the UNet and train_mp.py (tp=1; tp=2 with 2 GPUs), the lr follows the schedule, and a
 launch-bound step is faster.
 
-A failure points to utils/cuda_graphs.py (warm-up snapshot and restore, static buffers, cloned outputs),
-utils/optim.py (make_capturable, set_lr, the plain checkpoint form) or the few lines of the scripts around
+A failure points to loop/cuda_graphs.py (warm-up snapshot and restore, static buffers, cloned outputs),
+task/optim.py (make_capturable, set_lr, the plain checkpoint form) or the few lines of the scripts around
 GraphedStep.
 """
 import contextlib
@@ -28,10 +28,11 @@ import train
 import train_graph
 import train_mp
 import train_mp_graphs
+from loop import cuda_graphs, flops
+from loop.reporting import EpochMeter
+from task.optim import WarmupThenPlateau, cosine_with_warmup, make_capturable
 from tests.conftest import REPO_ROOT, free_port
-from utils import comm, cuda_graphs, flops
-from utils.optim import WarmupThenPlateau, cosine_with_warmup, make_capturable
-from utils.training import EpochMeter
+from utils import comm
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 STEPS = ["--num_iters", "8", "--stop_at_iter", "3"]  # 3 steps, stopped mid-epoch: no validation pass (CPU time)

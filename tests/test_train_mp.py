@@ -107,8 +107,8 @@ def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
     quarter of them), counted without a collective: torch 2.5 has no meta kernel for them and stopped here."""
     import re
 
+    from loop.flops import train_flops_per_sample
     from networks import get_model
-    from utils.flops import train_flops_per_sample
     from utils.YParams import YParams
     params = YParams("config/ViT.yaml", "tiny")
     serial = train_flops_per_sample(get_model, params, (params.n_in_channels, *params.img_size))
@@ -118,14 +118,14 @@ def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
 
 def assert_the_start_up_line_is_the_performance_models(log, layout):
     """train_mp.py logs the model's memory of rank 0's tensors (to read against the measured line on a GPU): the
-    numbers of utils/perf_model.memory_bytes for the layout at the tiny config's local batch (global 4 over dp); the
-    twin, the same layout with checkpointing switched, differs."""
+    numbers of benchmarks/perf_model.memory_bytes for the layout at the tiny config's local batch (global 4 over dp);
+    the twin, the same layout with checkpointing switched, differs."""
     import dataclasses
     import re
 
-    from utils.perf_model import GIB, ViTShape, memory_bytes
+    from benchmarks.perf_model import GIB, ViTShape, memory_bytes
     from utils.YParams import YParams
-    found = re.search(r"Predicted memory of the tensors \(utils/perf_model.py\): (\S+) GB after the forward pass, "
+    found = re.search(r"Predicted memory of the tensors \(benchmarks/perf_model.py\): (\S+) GB after the forward pass, "
                       r"(\S+) GB at the step's peak", log)
     assert found, "no prediction line"
     shape = ViTShape.from_params(YParams("config/ViT.yaml", "tiny"))
@@ -191,8 +191,8 @@ def _load_and_train(rank, world, port, checkpoints, results):
     from distributed.mappings import init_ddp_model_and_reduction_hooks
     from distributed.serial_state import load_serial_state_dict
     from networks import get_model
+    from task.loss import get_loss
     from utils import comm
-    from utils.loss import get_loss
     from utils.YParams import YParams
     torch.set_num_threads(1)
     comm.init({"tp": 2, "cp": 2}, rendezvous_timeout=60)
@@ -230,9 +230,9 @@ def _load_and_train(rank, world, port, checkpoints, results):
 def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, serial, tp2_cp2):
     """A train.py checkpoint and a tp=2 x cp=2 checkpoint, each loaded serially and at tp=2 x cp=2, give the
     same loss on the same batch; after training steps at tp=2 x cp=2 the shared copies are bitwise equal."""
+    from lifecycle.checkpoint import load_model_state
     from networks import get_model
-    from utils.checkpoint import load_model_state
-    from utils.loss import get_loss
+    from task.loss import get_loss
     from utils.YParams import YParams
     run_dirs = {"train.py": serial, "train_mp tp2xcp2": tp2_cp2[0]}  # (points, checkpoint)
     paths = {}

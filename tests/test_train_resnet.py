@@ -1,7 +1,7 @@
 """The ResNet stage through train.py on the CIFAR-100 sample data: learning, accuracy metrics, early stop,
 channels_last and bf16 on CPU, DataParallel mode, DDP == one process, bad input.
 
-A failure points to train.py, utils/metrics.py (top-k), utils/optim.py (SGD, plateau schedule), or the
+A failure points to train.py, task/metrics.py (top-k), task/optim.py (SGD, plateau schedule), or the
 image seams (networks/resnet.py, loaders/images.py).
 """
 import hashlib
@@ -15,9 +15,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from lifecycle.cli import apply_overrides, training_parser
 from sample_data.images import write_cifar100
 from tests.conftest import REPO_ROOT, run_command
-from utils.cli import apply_overrides, training_parser
 from utils.YParams import YParams
 
 RESNET_YAML = "config/ResNet50.yaml"

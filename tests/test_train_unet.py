@@ -1,8 +1,8 @@
 """The UNet stage through train.py: training on the cosmology sample data, the stage's original flags and
 configs, and the built-in throughput benchmark (IO / SYNTHETIC / FULL) for the UNet and the ViT.
 
-A failure points to train.py, utils/cli.py (flag aliases), utils/benchy.py, or the UNet seams
-(networks/UNet.py, loaders/cosmo.py and loaders/dali_cosmo.py, the l1_rho loss in utils/loss.py).
+A failure points to train.py, lifecycle/cli.py (flag aliases), loop/benchy.py, or the UNet seams
+(networks/UNet.py, loaders/cosmo.py and loaders/dali_cosmo.py, the l1_rho loss in task/loss.py).
 """
 import json
 import os
@@ -13,11 +13,11 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from lifecycle.cli import apply_overrides, training_parser
 from sample_data.cosmo import write_cosmo
+from task.optim import get_optimizer
 from tests.conftest import run_command
-from utils.cli import apply_overrides, training_parser
 from utils.errors import UserError
-from utils.optim import get_optimizer
 from utils.YParams import YParams
 
 UNET_YAML = "config/UNet.yaml"

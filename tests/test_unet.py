@@ -1,5 +1,5 @@
 """3D UNet shapes, exact parameter counts, weight init and the loss. Failures point to networks/UNet.py
-(layer ladder or skip connections for counts/shapes, init_weights for the statistics) or to utils/loss.py
+(layer ladder or skip connections for counts/shapes, init_weights for the statistics) or to task/loss.py
 (l1_rho_loss, for values)."""
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from networks.UNet import UNet, check_unet_params
+from task.loss import l1_rho_loss
 from utils.errors import UserError
-from utils.loss import l1_rho_loss
 from utils.YParams import YParams
 
 

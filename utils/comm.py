@@ -95,7 +95,7 @@ def _build_groups(generator):
             group = dist.group.WORLD if ranks == world else dist.new_group(ranks)
             if rank in ranks:
                 _groups[name] = group
-    # host-side flags (utils/signals.py) go through gloo, so that reading them never waits for the GPU
+    # host-side flags (lifecycle/signals.py) go through gloo, so that reading them never waits for the GPU
     _host["group"] = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else dist.group.WORLD
 
 

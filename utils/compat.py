@@ -14,7 +14,7 @@ from utils.errors import UserError
 def lr_tensors_kept(optimizer):
     """Within the block, a schedule that puts a new lr into a param group whose lr is a tensor (torch < 2.6's
     ReduceLROnPlateau assigns a float) has the tensor filled with it instead and put back: a step captured in a CUDA
-    graph reads the tensor it was captured with (utils/optim.make_capturable). A no-op for float learning rates."""
+    graph reads the tensor it was captured with (task/optim.make_capturable). A no-op for float learning rates."""
     held = [group["lr"] for group in optimizer.param_groups]
     try:
         yield

@@ -3,7 +3,7 @@
 Every schedule is stepped once per iteration; the ResNet stage's plateau schedule also looks at the
 validation loss after each epoch (`end_epoch`). A schedule changes a learning rate held in a tensor in place
 (`fill_`), never by putting a new object into the param group: a step captured in a CUDA graph reads the tensor it
-was captured with (make_capturable, which utils/cuda_graphs.GraphedStep calls).
+was captured with (make_capturable, which loop/cuda_graphs.GraphedStep calls).
 """
 import math
 

@@ -7,7 +7,7 @@ records the first signal. At each step boundary the ranks agree on it (`agreed()
 device sync), so every rank stops after the same iteration; the loop then writes a checkpoint and the script exits
 with EXIT_CODE, which tells the submit scripts to requeue the job.
 
-From the first line of a training script (`utils/early_signals.py`, imported before torch) the signals are recorded,
+From the first line of a training script (`lifecycle/early_signals.py`, imported before torch) the signals are recorded,
 and a signal that came before the first step stops the run where the ranks next agree (end of start_run, end of
 restore, the loop's first question) with one line and EXIT_CODE, nothing written. Loader workers (PyTorch's and
 DALI's) never act on a signal: they start with the signals blocked (`workers_start_blocked`) and hand them to a

@@ -12,7 +12,7 @@ built). First the counts:
   network, by process group and op.
 - `saved_activation_bytes`: what autograd keeps for the backward pass after one forward on rank 0 of a tp x cp
   layout, with or without sequence parallelism and activation checkpointing, in fp32 or under 16-bit autocast: the
-  tensors each op saves, as utils/profiling.SavedActivations measures them.
+  tensors each op saves, as loop/profiling.SavedActivations measures them.
 
 Then a roofline of one training step on a GPU (`predict`): the counts above, the work each kind of kernel does
 (GEMMs and FlashAttention on the tensor cores, softmax on the CUDA cores, elementwise kernels on HBM bandwidth),
@@ -114,7 +114,7 @@ def _chunk(size, parts):
 
 def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     """Bytes saved for the backward pass by one forward of `batch` samples on rank 0 of a tp x cp layout (DDP, or
-    FSDP in fp32; FSDP's 16-bit policy is not modelled), as utils/profiling.SavedActivations measures them.
+    FSDP in fp32; FSDP's 16-bit policy is not modelled), as loop/profiling.SavedActivations measures them.
 
     Tokens: t in all, t_c in this rank's cp chunk (the blocks' attention and MLP work on it), t_s between the blocks
     (t_c, or its part over tp with sequence parallelism); keys and values are all-gathered to t under cp.
@@ -479,5 +479,5 @@ def predicted_memory_line(params, layout, ddp=True):
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
     memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
-    return (f"Predicted memory of the tensors (utils/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after the "
-            f"forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")
+    return (f"Predicted memory of the tensors (benchmarks/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
+            f"the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")

@@ -16,10 +16,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from lifecycle.run import finish_run
+from loop.profiling import SavedActivations, local_tensor, peak_memory_gb
+from loop.reporting import set_train_mode
 from utils import comm
 from utils.atomic import write_json
-from utils.profiling import SavedActivations, local_tensor, peak_memory_gb
-from utils.training import finish_run, set_train_mode
 
 REPORT_FREQ = 10  # batches between "Iteration Throughput" lines
 
@@ -72,7 +73,7 @@ def time_trial(label, process_one_batch, nbatches, global_batch_size, device):
 def model_memory(model, inp, optimizer):
     """This rank's bytes of parameters, of their gradients (as the last step left them) and of the optimizer's state
     (Adam's moments), counted from the tensors (under FSDP: this rank's shards), and the bytes autograd saves for the
-    backward pass in one forward of `inp` (utils.profiling.SavedActivations; in the caller's autocast)."""
+    backward pass in one forward of `inp` (loop.profiling.SavedActivations; in the caller's autocast)."""
     model = getattr(model, "_orig_mod", model)  # not torch.compile's wrapper (the hooks run eagerly)
     model = getattr(model, "module", model)  # nor the data-parallel one
     state = [local_tensor(value) for per_param in optimizer.state.values() for value in per_param.values()
@@ -90,7 +91,7 @@ def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_de
     ($BENCHY_OUTPUT.json, or benchy_output.json in the run directory), then the run's end (finish_run).
 
     `train_step(inp, tar)` is one optimisation step; MFU is per device (`flops_per_device_sample` is the training
-    FLOPs of one sample over the devices sharing it) against `peak` (utils.flops.Peak)."""
+    FLOPs of one sample over the devices sharing it) against `peak` (loop.flops.Peak)."""
     params, device = run.params, run.device
     set_train_mode(model, params)
     nbatches, ntrials, nwarmup = params.benchy_nbatches, params.benchy_ntrials, params.benchy_nwarmup

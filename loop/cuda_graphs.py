@@ -13,7 +13,7 @@ point, GraphedStep:
     graphed_step = GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
     gen, loss = graphed_step(inp, tar)                  # copy into the static buffers, replay, clone the outputs
 
-GraphedStep first makes the optimizer capturable (utils/optim.make_capturable: the lr in a device tensor that the
+GraphedStep first makes the optimizer capturable (task/optim.make_capturable: the lr in a device tensor that the
 schedule fills in place, capturable Adam).
 
 A graph reads and writes fixed addresses: every batch is copied into the same static buffers, the learning rate is
@@ -32,8 +32,8 @@ import os
 
 import torch
 
+from task.optim import make_capturable
 from utils.errors import UserError
-from utils.optim import make_capturable
 
 WARMUP_STEPS = 20  # eager steps before capture: the original's 20 (DDP needs at least 11, per PyTorch's notes)
 

@@ -1,0 +1,215 @@
+"""A run's life around the loop each training script keeps for itself: start (flags into the config, the device, the
+run directory, the checkpoint to resume from), restore, save and finish.
+
+train.py (data parallel), train_mp.py (model parallel) and train_graph.py (CUDA Graphs) each read top to bottom:
+setup -> data -> model, optimizer, resume -> wrap -> step function -> loop -> finish. What they share lives here
+(the run) and in loop/reporting.py (the loop's decisions and reports), and takes what differs as arguments (the
+model's state, the functions that load it); nothing here knows which script calls it.
+"""
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+from lifecycle import signals
+from lifecycle.checkpoint import (
+    get_rng_states,
+    load_checkpoint,
+    load_model_state,
+    load_newest_checkpoint,
+    previous_path,
+    save_checkpoint,
+    set_rng_states,
+)
+from lifecycle.cli import apply_overrides
+from lifecycle.run_lock import RunDirectoryLock
+from utils import comm
+from utils.errors import UserError, register_cleanup
+from utils.logging_utils import config_logger, log_to_file
+from utils.YParams import YParams
+
+
+def load_config(args):
+    """Console logging, the launcher's local rank, and the named config of the YAML file."""
+    config_logger()
+    if args.local_rank is not None and "LOCAL_RANK" not in os.environ:  # torch.distributed.launch's --local-rank
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    return YParams(args.yaml_config, args.config)
+
+
+@dataclass
+class Run:
+    """What the helpers need to know about this run (a record, not a trainer)."""
+    args: object
+    params: YParams
+    device: torch.device
+    exp_dir: str
+    checkpoint_path: str
+    resume_path: str = None
+    checkpoint: dict = None
+    rank: int = 0
+    lock: RunDirectoryLock = None
+    writer: SummaryWriter = None
+
+
+def _make_run_dir(exp_dir):
+    try:
+        os.makedirs(os.path.join(exp_dir, "logs"), exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create the run directory '{exp_dir}' ({err.strerror or err}); choose a writable "
+                        "--expdir") from None
+    if not os.access(exp_dir, os.W_OK):
+        raise UserError(f"the run directory '{exp_dir}' is not writable; choose a writable --expdir")
+    return RunDirectoryLock(exp_dir)
+
+
+# each attention kernel's switch and its setting as torch starts (what "auto" puts back)
+_SDPA_SWITCHES = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
+                  "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+                  "math": torch.backends.cuda.enable_math_sdp}
+
+
+_SDPA_DEFAULTS = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+                  "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                  "math": torch.backends.cuda.math_sdp_enabled()}
+
+
+def select_attention_backend(name, device, half=True):
+    """Let scaled_dot_product_attention run only the kernel `name` (sdpa_backend), or torch's own choice ("auto").
+    Why a switch: torch picks per version (on an H100, torch 2.11 picks cuDNN's kernel; FlashAttention-2 is 1.65x
+    slower there); a run on an older torch can ask for another. `half`: the run's attention sees fp16/bf16."""
+    if name in ("cudnn", "efficient") and device.type != "cuda":
+        raise UserError(f"--sdpa_backend {name} is a CUDA kernel; on the CPU use auto, flash or math")
+    if name in ("cudnn", "flash") and device.type == "cuda" and not half:
+        raise UserError(f"--sdpa_backend {name} takes fp16/bf16 inputs only; add --amp_mode bf16, or use "
+                        "--sdpa_backend efficient or math for fp32")
+    for backend, switch in _SDPA_SWITCHES.items():
+        switch(_SDPA_DEFAULTS[backend] if name == "auto" else backend == name)
+
+
+def start_run(args, params, layout):
+    """Flags into the config (batch sizes by the "dp" group), the device, the run directory
+    <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
+    Call after comm.init(); every rank calls it."""
+    apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
+    signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
+    register_cleanup(signals.uninstall)
+    if args.parallel == "dp" and comm.get_world_size() > 1:
+        raise UserError("--parallel dp runs one process over all GPUs; launch a single task "
+                        "(no torchrun/srun tasks), or keep the default --parallel ddp")
+    if args.desired_acc is not None and params.get("model") != "resnet":
+        raise UserError("--desired_acc needs a classification model (config/ResNet50.yaml)")
+    if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
+        raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
+    device = comm.get_device()
+    select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
+    register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = params.cudnn_benchmark
+    else:
+        torch.set_flush_denormal(True)  # tiny (denormal) floats slow CPU arithmetic down by 2-4x
+
+    exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))
+    params.experiment_dir = exp_dir
+    checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
+    run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank())
+    run.lock = comm.on_rank0(lambda: _make_run_dir(exp_dir))  # rank 0 creates and locks the directory
+
+    # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
+    # state); rank 0 decides, so every rank starts at the same iteration
+    own = os.path.isfile(checkpoint_path) or os.path.isfile(previous_path(checkpoint_path))
+    run.resume_path = comm.broadcast_from_rank0(checkpoint_path if own else args.resume)
+    if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
+        logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")
+    if run.resume_path and not params.enable_benchy:
+        if run.resume_path == checkpoint_path:  # the newest good one of the run directory's two
+            run.checkpoint, run.resume_path = load_newest_checkpoint(checkpoint_path)
+        else:
+            run.checkpoint = load_checkpoint(run.resume_path)
+        if not isinstance(run.checkpoint, dict) or not {"model", "iteration", "config_name"} <= set(run.checkpoint):
+            what = ("move it away to train from the beginning here, or start a new --run_num (or --expdir)"
+                    if run.resume_path in (checkpoint_path, previous_path(checkpoint_path))
+                    else "pass one of a run directory's checkpoints to --resume")
+            raise UserError(f"'{run.resume_path}' is not a checkpoint written by train.py (a torch file without its "
+                            f"model, iteration and config); {what}")
+        written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
+        if written_by != (args.config, params.get("model", "vit")):
+            raise UserError(f"checkpoint '{run.resume_path}' was written by config '{written_by[0]}' (model "
+                            f"{written_by[1]}), not '{args.config}' (model {params.get('model', 'vit')}); resume "
+                            "with the same --yaml_config and --config, or start a new --run_num or --expdir")
+    if run.rank == 0:
+        log_to_file(os.path.join(exp_dir, "out.log"))
+    signals.stop_before_training("start-up")  # a signal since the script's first line: stop before the data loaders
+    if run.rank == 0:
+        params.log()
+    return run
+
+
+def set_run_length(params, steps_per_epoch):
+    """num_iters from num_epochs where the config counts epochs (UNet, ResNet stages)."""
+    if params.get("num_iters") is None:
+        params.num_iters = params.num_epochs * steps_per_epoch
+        logging.info(f"{params.num_epochs} epochs of {steps_per_epoch} steps: num_iters {params.num_iters}")
+
+
+def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_state, load_optimizer=None):
+    """Load the run's checkpoint (if any) into model, optimizer, schedule and scaler and set this rank's RNG.
+    Returns (start iteration, partial sums of the interrupted epoch or None). `load_model(model, state, path)`
+    and `load_optimizer(optimizer, state)` put the saved (whole-model) states in; a model-parallel script passes
+    functions that take its shards."""
+    checkpoint, path = run.checkpoint, run.resume_path
+    run.checkpoint = None  # free the memory once restored
+    if checkpoint is None:
+        signals.stop_before_training("the data loaders' start and the model's build")
+        return 0, None
+    load_model(model, checkpoint["model"], path)
+    (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    rng_states = checkpoint["rng_states"]
+    set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
+    start_iter = checkpoint["iteration"]
+    logging.info(f"Resumed from {path} at iteration {start_iter}")
+    if start_iter >= run.params.num_iters:
+        logging.info(f"This run already finished its {run.params.num_iters} iterations; "
+                     "pass a new --run_num (or raise --num_iters) to train again")
+    signals.stop_before_training("the restore")  # a signal during the data loaders' start, the model's build, the load
+    return start_iter, checkpoint.get("epoch_sums")
+
+
+def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
+    """Collective checkpoint: every rank calls it (RNG states and epoch sums are gathered); world rank 0 writes
+    `model_state` and `optimizer_state`, which must be the whole model's there (a model-parallel script gathers
+    its shards first). If the write fails every rank stops with the same message and the previous checkpoint
+    stays."""
+    start = time.time()
+    rng_states = [get_rng_states()]
+    if dist.is_initialized():
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, get_rng_states())
+    state = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
+             "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
+             "params": run.params.params}
+    comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
+    logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
+
+
+def finish_run(run):
+    """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
+    free the run directory; after a stop on a signal, exit with signals.EXIT_CODE."""
+    if run.writer is not None:
+        run.writer.close()
+        logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")
+    comm.barrier()
+    logging.info(f"DONE ---- rank {run.rank}")
+    comm.destroy()
+    if run.lock is not None:
+        run.lock.release()
+    if signals.stopped_by():  # checkpointed: the submit scripts requeue the job on this exit code
+        sys.exit(signals.EXIT_CODE)
