@@ -20,8 +20,8 @@ ring collectives on NVLink or the NIC as `--parallel_order` places each group, D
 backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). benchmarks/plan.py
 (`make plan`) is its command; docs/perf_model.md compares it with the published runs.
 
-Checked against the real model, the flop counter and the collectives on gloo in tests/test_perf_model.py; the
-predictions against the published GPU runs and the planner's obvious truths in tests/test_plan.py.
+Checked against the real model, the flop counter and the collectives on gloo in tests/perf/test_perf_model.py; the
+predictions against the published GPU runs and the planner's obvious truths in tests/perf/test_plan.py.
 """
 import dataclasses
 import math
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from distributed.helpers import compute_split_shapes
 from utils.rank_generator import RankGenerator
 
-MLP_RATIO = 4.0  # networks/vit.py's default (utils may not import the models: tests/test_layout.py)
+MLP_RATIO = 4.0  # networks/vit.py's default (utils may not import the models: tests/rules/test_layout.py)
 
 
 @dataclass(frozen=True)
