@@ -20,8 +20,8 @@ ring collectives on NVLink or the NIC as `--parallel_order` places each group, D
 backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). benchmarks/plan.py
 (`make plan`) is its command; docs/perf_model.md compares it with the published runs.
 
-Checked against the real model, the flop counter and the collectives on gloo in tests/test_perf_model.py; the
-predictions against the published GPU runs and the planner's obvious truths in tests/test_plan.py.
+Checked against the real model, the flop counter and the collectives on gloo in tests/perf/test_perf_model.py; the
+predictions against the published GPU runs and the planner's obvious truths in tests/perf/test_plan.py.
 """
 import dataclasses
 import math

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Print requirements.txt (path: $1) as the container installs it: comments and blank lines dropped, and without
 # the packages the NGC PyTorch image already provides as NVIDIA's builds for its CUDA and NCCL (a PyPI wheel would
-# replace them). docker/Dockerfile runs it; tests/test_docker.py checks the result against requirements.txt.
+# replace them). docker/Dockerfile runs it; tests/cluster/test_docker.py checks the result against requirements.txt.
 PROVIDED_BY_IMAGE="torch torchvision"
 
 requirements=${1:?usage: image_requirements.sh path/to/requirements.txt}

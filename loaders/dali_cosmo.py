@@ -42,7 +42,7 @@ def _slots_of_each_permutation():
     return slots
 
 
-SLOTS = _slots_of_each_permutation()  # all six (tests/test_dali_cosmo.py)
+SLOTS = _slots_of_each_permutation()  # all six (tests/datasets/test_dali_cosmo.py)
 
 
 def turn_view(permutation, crop_size):

@@ -2,7 +2,7 @@
 
 Tests not marked `gpu` run on the CPU also on a GPU node (`make test` there checks what it checks here): CUDA is
 hidden from them and from the commands they start. TESTS_KEEP_CUDA=1 leaves CUDA visible (the twin in
-tests/test_gpu_presence.py shows what then fails). Tests not marked `multiprocess` may not start processes.
+tests/gpu/test_gpu_presence.py shows what then fails). Tests not marked `multiprocess` may not start processes.
 """
 import multiprocessing.process
 import os

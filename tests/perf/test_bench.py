@@ -1,0 +1,157 @@
+"""The benchmarks print their numbers and write them as JSON. Failures point to benchmarks/bench_step.py or
+benchmarks/bench_train.py."""
+import json
+
+import pytest
+
+from benchmarks import bench_step
+
+
+def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    bench_step.main(["--height", "16", "--width", "32", "--patch_size", "4", "--embed_dim", "32", "--depth", "1",
+                     "--num_heads", "2", "--batch_size", "2", "--warmup_steps", "1", "--steps", "2",
+                     "--out", str(out)])
+    printed = capsys.readouterr().out
+    for line in ("ViT train step:", "fp32 matmul peak:", "ratio (MFU):"):
+        assert line in printed
+    results = json.loads(out.read_text())
+    assert results["flops_per_step"] > 0 and results["matmul_peak_tflops"] > 0
+    assert results["mfu"] == pytest.approx(results["achieved_tflops"] / results["matmul_peak_tflops"])
+
+
+@pytest.mark.multiprocess
+def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, capsys):
+    """Two variants on the tiny ViT: each must train (not resume the other's finished run) and be reported."""
+    from benchmarks import bench_train
+    from tests.conftest import REPO_ROOT
+    monkeypatch.chdir(REPO_ROOT)
+    variants = [("baseline", ["--num_data_workers", "0"]), ("again", ["--num_data_workers", "0"])]
+    monkeypatch.setitem(bench_train.SUITES, "vit", ("config/ViT.yaml", "tiny", 64, variants))
+    out = tmp_path / "train.json"
+    bench_train.main(["--suite", "vit", "--config", "tiny", "--data_dir", era5_dir, "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["baseline", "again"]
+    assert all(row["samples_per_sec"] > 0 and row["measured_over"].startswith("epoch 2") for row in rows)
+    assert "| again |" in capsys.readouterr().out
+
+
+def test_gpu_check_refuses_a_machine_without_cuda(capsys, monkeypatch):
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", "unused.json"]) == 2
+    assert capsys.readouterr().err.startswith("error: make gpu-check needs an NVIDIA GPU")
+
+
+def test_gpu_check_says_which_gpu_tests_need_more_gpus_and_how_to_run_them(monkeypatch):
+    """On one GPU the 2-GPU tests are skipped: the report counts them, names why, and gives the command for a
+    node with more GPUs; a run that skipped none for that reason says nothing of the kind."""
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    output = "\n".join([
+        "....s.s",
+        "SKIPPED [1] tests/gpu/test_gpu.py:64: tensor parallelism over NCCL needs 2 GPUs",
+        "SKIPPED [2] tests/parallel/test_distributed_layers.py:145: the NCCL variant needs 2 GPUs (one per rank)",
+        "SKIPPED [1] tests/datasets/test_dali_cosmo.py:201: the GPU pipeline needs CUDA",
+        "12 passed, 4 skipped in 80.00s"])
+    report = gpu_check.gpu_test_report(0, output)
+    assert report["skipped_for_more_gpus"] == 3 and len(report["skipped"]) == 3
+    assert report["said"].startswith("GPU tests on 1 GPU(s): 12 passed, 4 skipped in 80.00s; 3 need more GPUs")
+    assert report["said"].endswith(gpu_check.MULTI_GPU_COMMAND) and "tensor parallelism over NCCL" in report["said"]
+    alone = gpu_check.gpu_test_report(0, "12 passed in 80.00s")
+    assert alone["skipped_for_more_gpus"] == 0 and "need more GPUs" not in alone["said"]
+
+
+@pytest.mark.multiprocess
+def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
+    """The same script on the tiny configs: gpu tests (all skipped here), data, the three stage benchmarks."""
+    from benchmarks import gpu_check
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--tiny", "--allow-cpu", "--work", str(tmp_path / "work"), "--out", str(out),
+                           "--tests", "tests/gpu/test_gpu.py"]) == 0  # one module to collect: the suite stays short
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and report["gpu_tests"]["exit_code"] == 0
+    assert "skipped" in report["gpu_tests"]["summary"]
+    assert set(report["stages"]) == {"vit_short_bf16", "unet_short", "resnet_bs256_amp_nhwc_extra_opts"}
+    for stage in report["stages"].values():
+        assert stage["ok"] and stage["FULL"]["mean"] > 0 and 0 < stage["FULL"]["mfu"] <= 1
+        assert stage["peak_memory_gb"] > 0
+
+
+@pytest.mark.multiprocess
+def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monkeypatch, capsys):
+    """`python -m benchmarks.gpu_table --tiny --allow-cpu` on two rows: the baseline runs and is tabled; CUDA
+    Graphs, which need a GPU, are kept with the reason; targets whose row did not run are unknown, not met."""
+    from benchmarks import gpu_table
+    monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "table.json"
+    assert gpu_table.main(["--tiny", "--allow-cpu", "--skip-levers", "--rows", "vit_baseline,vit_graphs", "--work",
+                           str(tmp_path / "work"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"]["vit_baseline"]["FULL"]["mean"] > 0 and report["date"] and report["device"]
+    assert report["rows"]["vit_graphs"] == {"ok": False, "skipped": "CUDA Graphs need a CUDA GPU"}
+    assert report["targets"]["eager_samples_per_s"]["met"] is None
+    printed = capsys.readouterr().out
+    assert "| ViT short: baseline (fp32, 0 workers) |" in printed and "not run: CUDA Graphs need a CUDA GPU" in printed
+
+
+def test_gpu_table_targets_say_met_or_missed():
+    """The targets read the right row and compare the right way (a number below the floor is missed)."""
+    from benchmarks.gpu_table import check_targets
+
+    def row(full, synthetic, memory):
+        return {"ok": True, "FULL": {"mean": full}, "SYNTHETIC": {"mean": synthetic}, "peak_memory_gb": memory}
+
+    checked = check_targets({"vit_bf16": row(136.0, 140.0, 14.0), "vit_fused_compile": row(160.0, 170.0, 13.0)})
+    assert checked["eager_samples_per_s"] == {"row": "vit_bf16", "what": "FULL samples/s", "at_least": 135.0,
+                                              "at_most": None, "value": 136.0, "met": True}
+    assert checked["loader_fraction_eager"]["met"] is True  # 136 / 140 = 0.971
+    assert checked["fused_compile_samples_per_s"]["met"] is False
+    assert checked["loader_fraction_fused_compile"]["met"] is False  # 160 / 170 = 0.941
+    assert checked["peak_memory_gb"]["met"] is True
+    assert check_targets({"vit_bf16": row(136.0, 140.0, 14.5)})["peak_memory_gb"]["met"] is False
+
+
+def test_gpu_table_refuses_an_unknown_row_and_a_machine_without_cuda(capsys, monkeypatch):
+    from benchmarks import gpu_table
+    assert gpu_table.main(["--rows", "vit_bf17"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown row vit_bf17; choose among: vit_baseline")
+    monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
+    assert gpu_table.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: make gpu-table measures a GPU")
+
+
+@pytest.mark.multiprocess
+def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp_path, monkeypatch):
+    """bench_levers on the tiny ViT on the CPU: the step alone and with the loader as the code is now and with the
+    tokens as a transposed view, the loader restarted each epoch as before, torch's attention choice and flash; the
+    CUDA-only kernels said not run; every patched method restored afterwards."""
+    from benchmarks import bench_levers
+    from loaders.common import RingBatchSampler, TorchLoader
+    from networks.vit import PatchEmbed
+    from tests.conftest import REPO_ROOT
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(bench_levers.torch.cuda, "is_available", lambda: False)
+    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__)
+    out = tmp_path / "levers.json"
+    assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "2",
+                              "--warmup", "1", "--workers", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed"}
+    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "loader_restarted_each_epoch"}
+    assert all(value > 0 for value in [*report["step_alone_ms"].values(), *report["with_loader_ms"].values()])
+    assert report["attention_ms"]["auto"] > 0 and report["attention_ms"]["flash"] > 0
+    assert report["attention_ms"]["cudnn"].startswith("not run: --sdpa_backend cudnn is a CUDA kernel")
+    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__) == originals
+
+
+def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():
+    """8 workers need 2 rings of 18 batches of 664 MB (23.9 GB); with 16 GB free in /dev/shm (90% of it used at most),
+    4 workers fit (13.3 GB), 5 (15.9 GB) do not."""
+    from benchmarks.gpu_table import workers_that_fit
+    flags = ["--amp_mode", "bf16", "--num_data_workers", "8"]
+    assert workers_that_fit(flags, False, 100e9) == (flags, None)
+    fitted, note = workers_that_fit(flags, False, 16e9)
+    assert fitted == ["--amp_mode", "bf16", "--num_data_workers", "4"]
+    assert note == "4 loader workers instead of 8: /dev/shm has 16.0 GB free, 8 workers' rings need 23.9 GB"
+    assert workers_that_fit(flags, True, 1e9) == (flags, None)  # --tiny: small batches
