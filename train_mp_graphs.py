@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from benchmarks.perf_model import predicted_memory_line
+from benchmarks import dry_run, perf_model
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
 from distributed.parallelize import parallelize
@@ -57,12 +57,10 @@ from utils.layout import Layout
 
 @exit_on_user_error
 def main(argv=None):
-    parser = model_parallel_parser(__doc__.splitlines()[0])  # + layout and memory flags (lifecycle/cli.py)
-    args = parser.parse_args(argv)
+    args = model_parallel_parser(__doc__.splitlines()[0]).parse_args(argv)  # + layout, memory and dry-run flags
     params = load_config(args)
-    # one Layout, checked once: the tp x cp x dp grid (dp = world / (tp * cp)) and the memory switches (utils/layout.py)
-    layout = Layout.from_flags(args, comm.world_size_to_be())
-    comm.init(layout, rendezvous_timeout=args.dist_timeout)
+    layout = Layout.from_flags(args, args.dry_run or comm.world_size_to_be())  # tp x cp x dp, checked once
+    comm.init(layout, rendezvous_timeout=args.dist_timeout, dry_run_rank=args.dry_run_rank if args.dry_run else None)
     run = start_run(args, params, layout=f"{layout.model_parallel}MP")
     device = run.device
     cuda_graphs.check_support(params, args, device, script=__file__)
@@ -88,7 +86,7 @@ def main(argv=None):
         init_params_for_shared_weights(model)  # copies of shared weights equal across the model-parallel group
     logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in model.parameters()):,}")
     logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
-    logging.info(predicted_memory_line(params, layout, ddp=not args.noddp))  # to check against the line at i == 1
+    logging.info(perf_model.predicted_memory_line(params, layout, ddp=not args.noddp))  # against the line at i == 1
 
     stream = cuda_graphs.side_stream(device)  # warm-up and capture run on it, and DDP must be built on it
     cuda_graphs.enter_stream(stream)  # the wrap is the eager script's; check_support refused --enable_jit (and dp)
@@ -135,6 +133,8 @@ def main(argv=None):
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
     num_devices = devices_in_use(args, device)  # one per rank, or every visible GPU under DataParallel
+    if args.dry_run:  # one rank of the layout measured, the others stand-ins (benchmarks/dry_run.py), not training
+        return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")

@@ -4,6 +4,7 @@ memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout 
     make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
     make plan ARGS="--config mp --gpus 16 --plan"                         # every layout that fits, fastest first
     python -m benchmarks.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
+    make plan ARGS="--config mp --gpus 16 --plan --measure"              # + the first 3 measured by dry runs
 
 The flags are train_mp.py's (--yaml_config --config --tensor_parallel --context_parallel --parallel_order --amp_mode
 --sequence_parallel --activation_checkpointing --fsdp) plus --gpu (the system), --gpus (all GPUs of the job: dp =
@@ -11,11 +12,16 @@ gpus / (tp x cp); the local batch follows from the config's global batch), --pla
 is one JSON object: the prediction, or with --plan {"layouts": [...]}, each with its tp, cp, dp). With --plan the
 layout flags given are kept and the others are tried: every tp and cp that divide, and the memory flags. Each layout
 comes with the sbatch line that runs it (submit_pm_mp.sh: nodes of 4 GPUs). Predictions, not measurements:
-docs/perf_model.md says what the model counts and how it compares with the published runs.
+docs/perf_model.md says what the model counts and how it compares with the published runs. --measure K runs rank 0
+of the first K layouts on this machine (train_mp.py --dry_run: benchmarks/dry_run.py) and prints what it holds
+and how long its step computes beside the prediction.
 """
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 
 from benchmarks.perf_model import (
     GIB,
@@ -30,6 +36,7 @@ from utils.errors import ArgumentParser, UserError, exit_on_user_error
 from utils.layout import Layout
 from utils.YParams import YParams
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
 # the published runs (the original tutorial's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
 # " Memory usage after forward pass" line (GB; None: not published)
@@ -60,6 +67,9 @@ def parser():
     add("--json", action="store_true", help="end with one line of JSON")
     add("--top", type=int, default=10, help="layouts printed with --plan (the JSON holds all)")
     add("--published", action="store_true", help="the model against the published runs (README's table)")
+    add("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
+        help="also run rank 0 of the first K layouts (default 3) on this machine (train_mp.py --dry_run, synthetic "
+             "data) and print the measured memory and compute time beside the prediction")
     return parser
 
 
@@ -194,6 +204,8 @@ def check_numbers(args):
                         ("--gpus", args.gpus), ("--top", args.top)):
         if value is not None and value < 1:
             raise UserError(f"{flag} is {value}; it must be at least 1")
+    if args.measure < 0:
+        raise UserError(f"--measure is {args.measure}; give how many layouts to run (at least 1)")
     if not math.isfinite(args.overhead_gb) or args.overhead_gb < 0:
         raise UserError(f"--overhead_gb is {args.overhead_gb}; give the GB outside the tensors, a number >= 0")
 
@@ -224,6 +236,8 @@ def main(argv=None):
         if len(rows) > args.top:
             print(f"... and {len(rows) - args.top} slower layouts that fit (--top N, or --json for all)")
         result = {"gpus": gpus, "system": system.name, "config": args.config, "layouts": rows}
+        if args.measure:
+            result["measured"] = measure(rows[:args.measure], gpus, args)
     else:
         layout = Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=args.sequence_parallel,
                                   checkpointing=args.activation_checkpointing, fsdp=args.fsdp)
@@ -234,9 +248,52 @@ def main(argv=None):
         result["sbatch"] = sbatch_line(args.config, layout, args.amp_mode)
         print(header)
         print(describe(result, system))
+        if args.measure:
+            result["measured"] = measure([result], gpus, args)
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def dry_run(row, gpus, args):
+    """Rank 0 of the layout `row` on this machine: train_mp.py --dry_run in its own process (a process group is one
+    per process), on synthetic batches of the config's shape; its JSON, or the one line it failed with."""
+    command = [sys.executable, "train_mp.py", "--yaml_config", args.yaml_config, "--config", args.config,
+               "--dry_run", str(gpus), *row["flags"], "--data_loader_config", "synthetic"]
+    if args.amp_mode:
+        command += ["--amp_mode", args.amp_mode]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"flags": row["flags"], "error": why}
+    return json.loads(lines[-1])
+
+
+def measure(rows, gpus, args):
+    """Dry runs of `rows` (their rank 0), printed beside the model: this rank's state (parameters, gradients, Adam),
+    its saved activations, the peak and the compute time of one step (measured on this machine's device; the
+    prediction is for --gpu)."""
+    print(f"Measured by dry runs on this machine (rank 0 of {gpus}; train_mp.py --dry_run, synthetic data):")
+    print("| layout | state, MB: predicted / measured | saved activations, MB | peak, GB | step compute, ms |")
+    print("|---|---|---|---|---|")
+    found = []
+    for row in rows:
+        result = dry_run(row, gpus, args)
+        found.append(result)
+        name = " ".join(row["flags"])
+        if "error" in result:
+            print(f"| {name} | the dry run failed: {result['error']} | | | |")
+            continue
+        memory = row["counts"]["memory_bytes"]
+        state = memory["weights"] + memory["gradients"] + memory["optimizer_state"]
+        measured_state = result["parameters"] + result["gradients"] + result["optimizer_state"]
+        compute = sum(row["time_breakdown_s"][kind] for kind in ("matmul", "softmax", "memory_bound"))
+        print(f"| {name} | {state / 1e6:.1f} / {measured_state / 1e6:.1f} | "
+              f"{memory['saved_activations'] / 1e6:.1f} / {result['saved_activations'] / 1e6:.1f} | "
+              f"{row['peak_memory_gb']:.2f} / {result['peak_memory_gb']:.2f} ({result['device']}) | "
+              f"{compute * 1e3:.1f} / {result['step_time_s'] * 1e3:.1f} ({result['device']}) |")
+    return found
 
 
 if __name__ == "__main__":

@@ -169,8 +169,9 @@ def _reduce_marked_gradients(state, bucket):
     gloo)."""
     reduce_marked_gradients(bucket.parameters(), bucket.gradients())
     buffer = bucket.buffer()
+    # the bucket, reduced in place (what the future holds; a dry run's stand-in ranks hand back nothing)
     return dist.all_reduce(buffer.div_(comm.get_size("dp")), group=comm.get_group("dp"),
-                           async_op=True).get_future().then(lambda fut: fut.value()[0])
+                           async_op=True).get_future().then(lambda fut: buffer)
 
 
 def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_cap_mb=25, broadcast_buffers=True,

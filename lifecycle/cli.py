@@ -82,6 +82,10 @@ def model_parallel_parser(description):
     add("--activation_checkpointing", action="store_true",
         help="recompute each transformer block's forward in the backward pass (less memory)")
     add("--fsdp", action="store_true", help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
+    add("--dry_run", type=int, default=None, metavar="N",
+        help="run one rank of this layout on N ranks in this one process (the others stand-ins whose collectives "
+             "move no data) and print its memory and compute time instead of training (benchmarks/dry_run.py)")
+    add("--dry_run_rank", type=int, default=0, metavar="R", help="the rank --dry_run runs (default 0)")
     return parser
 
 

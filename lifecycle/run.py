@@ -6,6 +6,7 @@ setup -> data -> model, optimizer, resume -> wrap -> step function -> loop -> fi
 (the run) and in loop/reporting.py (the loop's decisions and reports), and takes what differs as arguments (the
 model's state, the functions that load it); nothing here knows which script calls it.
 """
+import dataclasses
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ from lifecycle.cli import apply_overrides
 from lifecycle.run_lock import RunDirectoryLock
 from utils import comm
 from utils.errors import UserError, register_cleanup
+from utils.layout import Layout
 from utils.logging_utils import config_logger, log_to_file
 from utils.YParams import YParams
 
@@ -114,6 +116,9 @@ def start_run(args, params, layout):
     else:
         torch.set_flush_denormal(True)  # tiny (denormal) floats slow CPU arithmetic down by 2-4x
 
+    if getattr(args, "dry_run", None):  # one rank of a layout, measured (benchmarks/dry_run.py): it writes nothing
+        signals.stop_before_training("start-up")
+        return Run(args, params, device, exp_dir=None, checkpoint_path=None, rank=comm.get_world_rank())
     exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))
     params.experiment_dir = exp_dir
     checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
@@ -175,6 +180,10 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
     start_iter = checkpoint["iteration"]
     logging.info(f"Resumed from {path} at iteration {start_iter}")
+    written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
+    if written_at and Layout(**written_at) != comm.get_layout():
+        logging.info(f"The checkpoint was written at {Layout(**written_at).describe()}; resumed at "
+                     f"{comm.get_layout().describe()}")
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "
                      "pass a new --run_num (or raise --num_iters) to train again")
@@ -195,7 +204,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     state = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
-             "params": run.params.params}
+             "params": run.params.params, "layout": dataclasses.asdict(comm.get_layout())}  # the model is serial
     comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
 

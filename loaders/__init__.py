@@ -4,12 +4,14 @@ common.py     what every loader shares: the resumable sampler, batch plumbing, t
 era5.py       ERA5 yearly HDF5 files (x(t), x(t+dt)) pairs     dali_era5.py   the same through DALI
 cosmo.py      cosmology boxes, random rotated 3D crops          dali_cosmo.py  the same through DALI (ROI reads)
 images.py     CIFAR-100 and ImageFolder (torchvision)
+synthetic.py  random batches of the config's shapes, no files (ERA5's `synthetic`: measuring a layout)
 Every loader offers the training loop the same interface (loaders/common.py). `LOADERS` maps each
 (dataset, data_loader_config) to the function that builds the loader of one split; a data set with one loader
 (the image data sets) takes any data_loader_config.
 """
 from loaders.cosmo import cosmo_loader
 from loaders.era5 import era5_loader
+from loaders.synthetic import synthetic_loader
 from utils.errors import UserError
 
 
@@ -31,7 +33,7 @@ def image_loader(params, train):
 
 # dataset -> {data_loader_config: fn(params, train) -> loader}; the key None: whatever data_loader_config says
 LOADERS = {
-    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader},
+    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader, "synthetic": synthetic_loader},
     "cosmo": {"synthetic": cosmo_loader, "inmem": cosmo_loader, "lowmem": cosmo_loader,
               "dali-lowmem": dali_cosmo_loader},
     "cifar100": {None: image_loader},

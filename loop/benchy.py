@@ -6,7 +6,8 @@ Three benchmarks, each `nwarmup` warm-up trials then `ntrials` timed trials of `
   FULL       normal training: loader, copy to the device, step
 Rates are samples/s of the whole job: global batch x batches / the slowest rank's time. Lines follow
 benchy's (`BENCHY::SUMMARY::IO average trial throughput: A +/- S`); results go to a JSON file, with the MFU of
-the compute trials and this rank's peak memory. The training step never advances the LR schedule.
+the compute trials, rank 0's peak memory and every rank's bytes of parameters, gradients, optimizer state and saved
+activations (`memory_bytes_by_rank`). The training step never advances the LR schedule.
 """
 import logging
 import os
@@ -119,7 +120,12 @@ def run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_de
             results[name].update({"tflops_per_device": achieved / 1e12, "mfu": peak.mfu(achieved)})
     with torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled):  # saved as in training
         memory = model_memory(model, fixed_batch[0], optimizer)
-    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device), "memory_bytes": memory})
+    memory_by_rank = [memory]  # every rank's record (rank 0 writes the file)
+    if dist.is_initialized():
+        memory_by_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(memory_by_rank, memory)
+    results.update({"peak": peak.describe(), "peak_memory_gb": peak_memory_gb(device), "memory_bytes": memory,
+                    "memory_bytes_by_rank": memory_by_rank})
 
     for name in benchmarks:  # upstream's spelling, space before SYNTHETIC included
         spacer = " " if name == "SYNTHETIC" else ""

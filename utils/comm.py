@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from utils import rendezvous
+from utils.compat import join_fake_process_group
 from utils.errors import OneRankError, UserError
 from utils.layout import Layout
 
@@ -146,11 +147,14 @@ def world_size_to_be():
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
+def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_rank=None):
     """Join the process group when WORLD_SIZE > 1 (utils/rendezvous.py: waiting at most `rendezvous_timeout`
     seconds for the other ranks) and build the groups of the tp x cp x dp grid of `layout`: a Layout (train_mp.py),
     a dict or config with "tp", "cp", "order" (the original `comm.init(params)`), or None: every rank is one
-    replica and "dp" is the world (train.py). Returns (world size, world rank, local rank)."""
+    replica and "dp" is the world (train.py). With `dry_run_rank` this one process is that rank of the layout's
+    world and the other ranks are stand-ins (join_dry_run). Returns (world size, world rank, local rank)."""
+    if dry_run_rank is not None:
+        return join_dry_run(layout, dry_run_rank)
     world_size = world_size_to_be()
     # checked before the rendezvous, so that every rank stops at once with the same line
     if isinstance(layout, Layout):
@@ -174,6 +178,33 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT):
     if get_world_rank() == 0:
         logging.info(f"Setting {layout.describe()}")
     return get_world_size(), get_world_rank(), get_local_rank()
+
+
+def join_dry_run(layout, rank):
+    """This process as rank `rank` of the Layout `layout` (train_mp.py --dry_run): a process group of torch's fake
+    backend (utils/compat.py: its collectives return at once and move no data) and the groups of the grid, so that
+    every kernel this rank runs is real and every tensor it holds has its real shape; the values that cross ranks
+    are meaningless."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or dist.is_initialized():
+        raise UserError("--dry_run runs one process standing for the whole layout; start it with python, not "
+                        "torchrun or srun with several tasks")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
+                        f"{layout.world_size - 1}")
+    logging.info(f"Dry run: rank {rank} of {layout.world_size} ({layout.describe()}) in this one process; the "
+                 "other ranks are stand-ins whose collectives move no data, so the numbers it computes are "
+                 "meaningless: no checkpoint, no TensorBoard, no check for nan; memory is this rank's, time is "
+                 "compute only")
+    join_fake_process_group(rank, layout.world_size)
+    _groups.clear()
+    _layout["now"] = layout
+    _build_groups(layout.grid())
+    return get_world_size(), get_world_rank(), get_local_rank()
+
+
+def is_dry_run():
+    """Whether the other ranks are stand-ins (join_dry_run): objects are then not exchanged, only tensors' shapes."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def all_reduce_sum(tensor, group="dp"):
@@ -221,7 +252,7 @@ def on_rank0(action):
 
 def broadcast_from_rank0(obj):
     """Rank 0's `obj` on every rank (a picklable Python object); also a barrier."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or is_dry_run():
         return obj
     objects = [obj]
     dist.broadcast_object_list(objects, src=0)

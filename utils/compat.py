@@ -36,3 +36,13 @@ def fsdp_api(device):
                             "run on GPUs, or drop --fsdp")
         import torch.distributed._composable.fsdp as fsdp
     return fsdp.fully_shard, fsdp.MixedPrecisionPolicy
+
+
+def join_fake_process_group(rank, world_size):
+    """Join a process group of `world_size` ranks as `rank`, alone: torch's "fake" backend, whose collectives return
+    at once and move no data (an all-gather copies this rank's input into every slot, an all-reduce leaves the
+    tensor as it is). Both versions keep it in torch.testing._internal (2.5 and 2.14); importing FakeStore registers
+    the backend."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())

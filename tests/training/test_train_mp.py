@@ -147,10 +147,19 @@ def test_the_start_up_line_is_the_performance_models_memory_at_tp2_x_cp2(tp2_cp2
 
 @pytest.mark.multiprocess
 def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2_cp2):
-    """Weights and Adam's moments gathered to the serial layout: train.py continues the run exactly."""
+    """Weights and Adam's moments gathered to the serial layout: train.py continues the run exactly. The checkpoint
+    records the layout that wrote it (the log says so when another resumes it); train.py's own is the serial one."""
+    from utils.layout import Layout
+    written = torch.load(tp2_cp2[2], weights_only=False)["layout"]
+    assert Layout(**written) == Layout(tp=2, cp=2, sequence_parallel=True, checkpointing=True)
     train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", ITERS,
                 "--resume", tp2_cp2[2]])
-    assert_same_run(results(os.path.join(str(tmp_path), "tiny", "1GPU", "00")), serial, after_step=10)
+    resumed_dir = os.path.join(str(tmp_path), "tiny", "1GPU", "00")
+    assert_same_run(results(resumed_dir), serial, after_step=10)
+    log = open(os.path.join(resumed_dir, "out.log")).read()
+    assert "The checkpoint was written at DP = 1, TP = 2, CP = 2, PP = 1; resumed at DP = 1, TP = 1" in log
+    own = torch.load(os.path.join(resumed_dir, "checkpoints", "ckpt.pt"), weights_only=False)["layout"]
+    assert Layout(**own) == Layout()
 
 
 @pytest.mark.multiprocess

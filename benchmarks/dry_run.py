@@ -1,0 +1,111 @@
+"""One rank of an N-rank layout on the one device at hand: `train_mp.py --dry_run N [--dry_run_rank R]`.
+
+train_mp.py builds the layout its flags give as rank R of N (utils/comm.join_dry_run: torch's fake process group
+stands in for the other N - 1 ranks, its collectives return at once and move no data), builds and wraps the model
+exactly as a real rank does, and hands the step to `report`, which runs a few steps on one batch and measures what
+this rank holds: its parameters, gradients and optimizer state, the activations autograd saves in one forward
+(the same record as --enable_benchy's, loop/benchy.model_memory), the peak (the allocator's high watermark on a GPU;
+on a CPU, which has none, the sum of those tensors), and the step's time, which is compute only: the collectives
+cost nothing here. Beside each number is the performance model's (benchmarks/perf_model.py, what `make plan`
+prints) for the same layout. The values the model computes are meaningless (the other ranks' contributions are
+missing), so nothing is written: no checkpoint, no TensorBoard, no check for nan.
+
+The last line printed is one JSON object.
+"""
+import json
+import statistics
+import time
+
+import torch
+
+from benchmarks import perf_model
+from lifecycle.run import finish_run
+from loop.benchy import model_memory
+from loop.reporting import set_train_mode
+from utils import comm
+
+TIMED_STEPS = 3  # after one warm-up step (it allocates the gradients and Adam's moments)
+GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100": "A100-40GB"}
+
+
+def system_of(device):
+    """The performance model's system for this GPU (its name), or None (a CPU, or a GPU it does not know)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
+
+
+def predicted(params, layout, device):
+    """The performance model's numbers for this layout at the run's local batch: rank 0's bytes by kind, its peak,
+    and on a GPU it knows the compute time of one step (matmul, softmax and memory-bound kernels, no collectives)."""
+    if params.get("model", "vit") != "vit":
+        return None
+    shape = perf_model.ViTShape.from_params(params)
+    memory = perf_model.memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled)
+    found = {"parameters": memory["weights"], "gradients": memory["gradients"],
+             "optimizer_state": memory["optimizer_state"], "saved_activations": memory["saved_activations"],
+             "peak_memory_gb": memory["peak"] / perf_model.GIB, "step_time_s": None, "system": system_of(device)}
+    if found["system"]:
+        system = perf_model.SYSTEMS[found["system"]]
+        amp_mode = params.amp_mode if params.amp_enabled else "none"
+        row = perf_model.predict(shape, system, layout, params.local_batch_size * layout.dp, amp_mode)
+        breakdown = row["time_breakdown_s"]
+        found["step_time_s"] = breakdown["matmul"] + breakdown["softmax"] + breakdown["memory_bound"]
+        found["peak_memory_gb"] = row["peak_memory_gb"]  # with the GPU runtime's own memory, as make plan says
+    return found
+
+
+def report(run, model, batch, to_device, train_step, optimizer, layout):
+    """Time `train_step` on one batch (a warm-up, then TIMED_STEPS), measure this rank's memory, print a table and,
+    last, one JSON object; returns that object. Ends the run (finish_run: the process group goes)."""
+    params, device = run.params, run.device
+    set_train_mode(model, params)
+    inp, tar = to_device(*batch)
+    train_step(inp, tar)  # warm-up: gradients and optimizer state exist from here on
+    seconds = []
+    for _ in range(TIMED_STEPS):
+        comm.synchronize(device)
+        start = time.perf_counter()
+        train_step(inp, tar)
+        comm.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    with torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled):  # saved as in training
+        memory = model_memory(model, inp, optimizer)
+    if device.type == "cuda":
+        peak_gb, peak_is = torch.cuda.max_memory_allocated(device) / perf_model.GIB, "the allocator's high watermark"
+    else:
+        peak_gb, peak_is = sum(memory.values()) / perf_model.GIB, "the sum of this rank's tensors above"
+    result = {"dry_run": True, "rank": comm.get_world_rank(), "world_size": layout.world_size,
+              "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "order": layout.order,
+                         "flags": layout.flags()},
+              "config": params.config_name, "local_batch_size": params.local_batch_size, "amp_mode": params.amp_mode,
+              "device": str(device), **memory, "peak_memory_gb": peak_gb, "peak_memory_is": peak_is,
+              "step_time_s": statistics.median(seconds), "step_time_is": "compute only: the collectives move nothing",
+              "predicted": predicted(params, layout, device)}
+    finish_run(run)
+    print(table(result))
+    print(json.dumps(result))
+    return result
+
+
+def table(result):
+    """The measured numbers beside the model's, one row each."""
+    model = result["predicted"] or {}
+    rows = [(name, f"{result[key] / 1e6:.1f} MB", f"{model[key] / 1e6:.1f} MB" if key in model else "-")
+            for name, key in (("parameters", "parameters"), ("gradients", "gradients"),
+                              ("optimizer state", "optimizer_state"), ("saved activations", "saved_activations"))]
+    rows.append(("peak memory", f"{result['peak_memory_gb']:.3f} GB",
+                 f"{model['peak_memory_gb']:.3f} GB" if model else "-"))
+    step = model.get("step_time_s")
+    rows.append(("step time (compute)", f"{result['step_time_s'] * 1e3:.1f} ms",
+                 f"{step * 1e3:.1f} ms on {model['system']}" if step else "-"))
+    layout = result["layout"]
+    lines = [f"Dry run of rank {result['rank']} of {result['world_size']} (tp={layout['tp']}, cp={layout['cp']}, "
+             f"dp={layout['dp']}{' ' + ' '.join(layout['flags'][2:]) if layout['flags'][2:] else ''}), config "
+             f"{result['config']}, local batch {result['local_batch_size']}, {result['device']}; peak: "
+             f"{result['peak_memory_is']}", "",
+             f"| {'this rank':<20} | {'measured':>12} | {'performance model':>24} |",
+             f"|{'-' * 22}|{'-' * 14}|{'-' * 26}|"]
+    lines += [f"| {name:<20} | {measured:>12} | {model_value:>24} |" for name, measured, model_value in rows]
+    return "\n".join(lines)
