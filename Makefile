@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph plan example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run plan example-logs figures clean
 
 install: $(VENV)/.installed
 
@@ -87,6 +87,11 @@ bench-mp: install $(DATA_DIR)/stats/global_stds.npy
 # generated if missing): memory per rank per layout and flag (about 10 minutes on 2 cores)
 bench-mp-shape: install
 	$(PY) -m benchmarks.bench_mp --shape mp --data_dir data/era5_360x720 --out bench_results/mp_shape.json
+
+# rank 0 of the mp config's layouts measured alone by dry runs (train_mp.py --dry_run): the published layouts on a
+# GPU; on a CPU the tensor-parallel ones at local batch 1 (docs/perf_model.md)
+bench-dry-run: install
+	$(PY) -m benchmarks.bench_dry_run
 
 # the performance model: memory, communication and speed of a layout, or every layout of N GPUs (docs/perf_model.md)
 #   make plan ARGS="--config mp --gpus 16 --plan"      make plan ARGS=--published

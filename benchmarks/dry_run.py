@@ -36,23 +36,26 @@ def system_of(device):
     return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
 
 
-def predicted(params, layout, device):
-    """The performance model's numbers for this layout at the run's local batch: rank 0's bytes by kind, its peak,
-    and on a GPU it knows the compute time of one step (matmul, softmax and memory-bound kernels, no collectives)."""
+def predicted(params, layout, device, ddp=True):
+    """The performance model's numbers for this layout at the run's local batch: rank 0's bytes by kind (the ranks of
+    a layout hold the same, but for an uneven split of the tokens over cp), the peak measured the same way (on a GPU
+    the tensors at the step's peak, without the CUDA context; on a CPU the sum of the four kinds), and on a GPU it
+    knows the compute time of one step (matmul, softmax and memory-bound kernels, no collectives)."""
     if params.get("model", "vit") != "vit":
         return None
     shape = perf_model.ViTShape.from_params(params)
-    memory = perf_model.memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled)
+    memory = perf_model.memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
     found = {"parameters": memory["weights"], "gradients": memory["gradients"],
              "optimizer_state": memory["optimizer_state"], "saved_activations": memory["saved_activations"],
-             "peak_memory_gb": memory["peak"] / perf_model.GIB, "step_time_s": None, "system": system_of(device)}
+             "step_time_s": None, "system": system_of(device)}
+    found["peak_memory_gb"] = (memory["peak"] if device.type == "cuda" else sum(
+        found[key] for key in ("parameters", "gradients", "optimizer_state", "saved_activations"))) / perf_model.GIB
     if found["system"]:
         system = perf_model.SYSTEMS[found["system"]]
         amp_mode = params.amp_mode if params.amp_enabled else "none"
         row = perf_model.predict(shape, system, layout, params.local_batch_size * layout.dp, amp_mode)
         breakdown = row["time_breakdown_s"]
         found["step_time_s"] = breakdown["matmul"] + breakdown["softmax"] + breakdown["memory_bound"]
-        found["peak_memory_gb"] = row["peak_memory_gb"]  # with the GPU runtime's own memory, as make plan says
     return found
 
 
@@ -82,7 +85,7 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
               "config": params.config_name, "local_batch_size": params.local_batch_size, "amp_mode": params.amp_mode,
               "device": str(device), **memory, "peak_memory_gb": peak_gb, "peak_memory_is": peak_is,
               "step_time_s": statistics.median(seconds), "step_time_is": "compute only: the collectives move nothing",
-              "predicted": predicted(params, layout, device)}
+              "predicted": predicted(params, layout, device, ddp=not run.args.noddp)}
     finish_run(run)
     print(table(result))
     print(json.dumps(result))

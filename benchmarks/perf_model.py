@@ -420,8 +420,7 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     the backward pass, or of FSDP's gathers and scatters the whole compute), flops_per_sample (the serial model's,
     what MFU counts), comm_bytes_per_step by group, counts (one block's FLOPs, the bytes of memory_bytes, every
     collective) and the layout."""
-    if global_batch % layout.dp:
-        raise ValueError(f"global batch {global_batch} does not divide over dp={layout.dp}")
+    layout.check(global_batch=global_batch)  # the batch splits over dp (utils/layout.py)
     batch = global_batch // layout.dp
     half = amp_mode in ("bf16", "fp16")
     peak_flops = system.tensor_flops[amp_mode if half else "tf32"]

@@ -37,6 +37,7 @@ from utils.layout import Layout
 from utils.YParams import YParams
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURE_TIMEOUT_S = 3600  # one dry run of --measure (the `mp` ViT's rank 0 on a laptop CPU takes minutes)
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
 # the published runs (the original tutorial's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
 # " Memory usage after forward pass" line (GB; None: not published)
@@ -260,9 +261,14 @@ def dry_run(row, gpus, args):
     per process), on synthetic batches of the config's shape; its JSON, or the one line it failed with."""
     command = [sys.executable, "train_mp.py", "--yaml_config", args.yaml_config, "--config", args.config,
                "--dry_run", str(gpus), *row["flags"], "--data_loader_config", "synthetic"]
-    if args.amp_mode:
+    if not torch_sees_a_gpu():  # a CPU: the smallest step (bytes per sample scale with the batch), in fp32
+        command += ["--local_batch_size", "1", "--amp_mode", "none"]
+    elif args.amp_mode:
         command += ["--amp_mode", args.amp_mode]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"flags": row["flags"], "error": f"no result within {MEASURE_TIMEOUT_S} s"}
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         why = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -274,8 +280,10 @@ def measure(rows, gpus, args):
     """Dry runs of `rows` (their rank 0), printed beside the model: this rank's state (parameters, gradients, Adam),
     its saved activations, the peak and the compute time of one step (measured on this machine's device; the
     prediction is for --gpu)."""
-    print(f"Measured by dry runs on this machine (rank 0 of {gpus}; train_mp.py --dry_run, synthetic data):")
-    print("| layout | state, MB: predicted / measured | saved activations, MB | peak, GB | step compute, ms |")
+    where = "this GPU, the config's batch" if torch_sees_a_gpu() else "this CPU, local batch 1 in fp32"
+    print(f"Measured by dry runs (rank 0 of {gpus}, train_mp.py --dry_run, synthetic data) on {where}; each beside "
+          "its own prediction (the model at the run's batch; compute time for --gpu):")
+    print("| layout | state, MB: model / measured | saved activations, MB | peak, GB | step compute, ms |")
     print("|---|---|---|---|---|")
     found = []
     for row in rows:
@@ -285,15 +293,20 @@ def measure(rows, gpus, args):
         if "error" in result:
             print(f"| {name} | the dry run failed: {result['error']} | | | |")
             continue
-        memory = row["counts"]["memory_bytes"]
-        state = memory["weights"] + memory["gradients"] + memory["optimizer_state"]
+        model = result["predicted"]
+        state = model["parameters"] + model["gradients"] + model["optimizer_state"]
         measured_state = result["parameters"] + result["gradients"] + result["optimizer_state"]
         compute = sum(row["time_breakdown_s"][kind] for kind in ("matmul", "softmax", "memory_bound"))
         print(f"| {name} | {state / 1e6:.1f} / {measured_state / 1e6:.1f} | "
-              f"{memory['saved_activations'] / 1e6:.1f} / {result['saved_activations'] / 1e6:.1f} | "
-              f"{row['peak_memory_gb']:.2f} / {result['peak_memory_gb']:.2f} ({result['device']}) | "
-              f"{compute * 1e3:.1f} / {result['step_time_s'] * 1e3:.1f} ({result['device']}) |")
+              f"{model['saved_activations'] / 1e6:.1f} / {result['saved_activations'] / 1e6:.1f} | "
+              f"{model['peak_memory_gb']:.2f} / {result['peak_memory_gb']:.2f} | "
+              f"{compute * 1e3:.1f} on {args.gpu} / {result['step_time_s'] * 1e3:.1f} on {result['device']} |")
     return found
+
+
+def torch_sees_a_gpu():
+    import torch  # here: the planner itself needs no torch
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

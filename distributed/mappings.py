@@ -187,6 +187,7 @@ def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_
                                   broadcast_buffers=broadcast_buffers and comm.get_size("cp") == 1,
                                   find_unused_parameters=find_unused_parameters,
                                   gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
-    if comm.get_size("tp-cp") > 1:
+    # (a dry run's stand-in ranks hand back no bucket from DDP's own all-reduce: the hook returns the bucket itself)
+    if comm.get_size("tp-cp") > 1 or comm.is_dry_run():
         ddp.register_comm_hook(None, _reduce_marked_gradients)
     return ddp

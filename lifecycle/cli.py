@@ -34,7 +34,8 @@ def training_parser(description, one_process_dp=True):
     add("--num_epochs", type=int, default=None, help="total training epochs (instead of num_iters)")
     add("--num_data_workers", type=int, default=None, help="data loader worker processes")
     add("--data_loader_config", type=str, default=None,
-        help="data loader: pytorch, dali (ERA5); pytorch (images); synthetic, inmem, lowmem, dali-lowmem (cosmology)")
+        help="data loader: pytorch, dali, synthetic (ERA5: random batches, no files); pytorch (images); synthetic, "
+             "inmem, lowmem, dali-lowmem (cosmology)")
     add("--sdpa_backend", type=str, default=None, choices=SDPA_BACKENDS,
         help="attention kernel (ViT): auto = torch's choice; cudnn, flash, efficient (memory-efficient) or math")
     add("--bucket_cap_mb", type=int, default=25, help="DDP gradient bucket size in MB")
@@ -82,11 +83,23 @@ def model_parallel_parser(description):
     add("--activation_checkpointing", action="store_true",
         help="recompute each transformer block's forward in the backward pass (less memory)")
     add("--fsdp", action="store_true", help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
-    add("--dry_run", type=int, default=None, metavar="N",
+    add("--dry_run", type=ranks, default=None, metavar="N",
         help="run one rank of this layout on N ranks in this one process (the others stand-ins whose collectives "
-             "move no data) and print its memory and compute time instead of training (benchmarks/dry_run.py)")
-    add("--dry_run_rank", type=int, default=0, metavar="R", help="the rank --dry_run runs (default 0)")
+             "move no data) and print its memory and compute time instead of training (benchmarks/dry_run.py); "
+             "without data, add --data_loader_config synthetic")
+    add("--dry_run_rank", type=int, default=0, metavar="R", help="with --dry_run: the rank it runs, 0..N-1 (default 0)")
     return parser
+
+
+def ranks(text):
+    """argparse type: a number of ranks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks; give a whole number, at least 1")
+    return value
 
 
 def reroot(path, data_root, data_dir):

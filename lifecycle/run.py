@@ -31,7 +31,6 @@ from lifecycle.cli import apply_overrides
 from lifecycle.run_lock import RunDirectoryLock
 from utils import comm
 from utils.errors import UserError, register_cleanup
-from utils.layout import Layout
 from utils.logging_utils import config_logger, log_to_file
 from utils.YParams import YParams
 
@@ -116,7 +115,12 @@ def start_run(args, params, layout):
     else:
         torch.set_flush_denormal(True)  # tiny (denormal) floats slow CPU arithmetic down by 2-4x
 
-    if getattr(args, "dry_run", None):  # one rank of a layout, measured (benchmarks/dry_run.py): it writes nothing
+    dry_run = getattr(args, "dry_run", None)
+    if dry_run is None and getattr(args, "dry_run_rank", 0):
+        raise UserError("--dry_run_rank R picks the rank of a dry run; add --dry_run N (or drop --dry_run_rank)")
+    if dry_run is not None and (args.resume or params.enable_benchy):
+        raise UserError("--dry_run measures one rank of a layout without training; drop --resume and --enable_benchy")
+    if dry_run is not None:  # one rank of a layout, measured (benchmarks/dry_run.py): it writes nothing
         signals.stop_before_training("start-up")
         return Run(args, params, device, exp_dir=None, checkpoint_path=None, rank=comm.get_world_rank())
     exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))
@@ -181,9 +185,9 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     start_iter = checkpoint["iteration"]
     logging.info(f"Resumed from {path} at iteration {start_iter}")
     written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
-    if written_at and Layout(**written_at) != comm.get_layout():
-        logging.info(f"The checkpoint was written at {Layout(**written_at).describe()}; resumed at "
-                     f"{comm.get_layout().describe()}")
+    if isinstance(written_at, dict) and written_at != dataclasses.asdict(comm.get_layout()):
+        grid = ", ".join(f"{name.upper()} = {written_at.get(name, '?')}" for name in ("dp", "tp", "cp"))
+        logging.info(f"The checkpoint was written at {grid}; resumed at {comm.get_layout().describe()}")
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "
                      "pass a new --run_num (or raise --num_iters) to train again")

@@ -73,6 +73,8 @@ def check_support(params, args, device, script):
         raise UserError("--activation_checkpointing is not supported in the captured step (its recomputation saves "
                         "and restores the random state around each block, which has not been tried under capture); "
                         f"use {instead}")
+    if getattr(args, "dry_run", None) is not None:  # a flag of the model-parallel scripts only
+        raise UserError("--dry_run measures the eager step of one rank; run it with train_mp.py")
     if getattr(args, "fsdp", False):
         raise UserError("--fsdp is not supported in the captured step (FSDP2 allocates and frees the all-gathered "
                         f"weights on its own streams each step, which has not been tried under capture); use {instead}")

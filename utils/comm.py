@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from utils import rendezvous
 from utils.compat import join_fake_process_group
-from utils.errors import OneRankError, UserError
+from utils.errors import OneRankError, UserError, register_cleanup
 from utils.layout import Layout
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
@@ -196,6 +196,7 @@ def join_dry_run(layout, rank):
                  "meaningless: no checkpoint, no TensorBoard, no check for nan; memory is this rank's, time is "
                  "compute only")
     join_fake_process_group(rank, layout.world_size)
+    register_cleanup(destroy)  # a refusal after this point leaves no process group behind (a finished run: no-op)
     _groups.clear()
     _layout["now"] = layout
     _build_groups(layout.grid())

@@ -120,3 +120,29 @@ def test_a_layout_is_built_from_the_flags_and_the_world():
     assert built.flags() == ["--tensor_parallel=2", "--context_parallel=2", "--parallel_order=cp-tp-dp",
                              "--sequence_parallel", "--fsdp"]
     assert Layout.from_dict({"tp": 2}, 4) == Layout(tp=2, dp=2)
+
+
+def refusals_outside_the_layout(root, rule_lines):
+    """'file: words' for each project .py file outside utils/layout.py and tests/ that holds the words of a rule's
+    refusal (the first 40 characters): a second copy of a rule."""
+    import os
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name not in ("tests", "data")]
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), root)
+            if not name.endswith(".py") or path == os.path.join("utils", "layout.py"):
+                continue
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                text = f.read()
+            found += [f"{path}: {line[:40]}" for line in rule_lines if line[:40] in text]
+    return found
+
+
+def test_no_caller_keeps_a_copy_of_a_rule(tmp_path):
+    """Each rule's refusal is written once, in utils/layout.py; the twin: a module holding a copy of one is found."""
+    from tests.conftest import REPO_ROOT
+    lines = [_refused_by_the_object(settings, facts) for settings, facts, _, _ in CASES.values()]
+    assert refusals_outside_the_layout(REPO_ROOT, lines) == []
+    (tmp_path / "plan.py").write_text(f"def check():\n    return {lines[4]!r}\n")
+    assert refusals_outside_the_layout(str(tmp_path), lines) == [f"plan.py: {lines[4][:40]}"]

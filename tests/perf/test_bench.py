@@ -3,6 +3,7 @@ benchmarks/bench_train.py."""
 import json
 
 import pytest
+import torch
 
 from benchmarks import bench_step
 
@@ -155,3 +156,17 @@ def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():
     assert fitted == ["--amp_mode", "bf16", "--num_data_workers", "4"]
     assert note == "4 loader workers instead of 8: /dev/shm has 16.0 GB free, 8 workers' rings need 23.9 GB"
     assert workers_that_fit(flags, True, 1e9) == (flags, None)  # --tiny: small batches
+
+
+@pytest.mark.multiprocess
+def test_bench_dry_run_writes_each_layouts_rank_0(tmp_path):
+    """`make bench-dry-run`'s command with --tiny: one row per layout, each rank 0 of 4 with its layout's tp and cp,
+    the state the model predicts (to the byte) and the machine named."""
+    from benchmarks import bench_dry_run
+    out = tmp_path / "dry.json"
+    bench_dry_run.main(["--tiny", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["config"] == "tiny" and doc["device"] and doc["torch"] == torch.__version__
+    assert [(row["layout"]["tp"], row["layout"]["cp"], row["rank"]) for row in doc["rows"]] == [(2, 1, 0), (2, 2, 0)]
+    for row in doc["rows"]:
+        assert row["parameters"] == row["predicted"]["parameters"] > 0

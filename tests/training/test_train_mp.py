@@ -157,7 +157,7 @@ def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2
     resumed_dir = os.path.join(str(tmp_path), "tiny", "1GPU", "00")
     assert_same_run(results(resumed_dir), serial, after_step=10)
     log = open(os.path.join(resumed_dir, "out.log")).read()
-    assert "The checkpoint was written at DP = 1, TP = 2, CP = 2, PP = 1; resumed at DP = 1, TP = 1" in log
+    assert "The checkpoint was written at DP = 1, TP = 2, CP = 2; resumed at DP = 1, TP = 1, CP = 1" in log
     own = torch.load(os.path.join(resumed_dir, "checkpoints", "ckpt.pt"), weights_only=False)["layout"]
     assert Layout(**own) == Layout()
 

@@ -1,0 +1,77 @@
+"""Rank 0 of the `mp` config's layouts, each measured alone on this machine's one device by a dry run
+(`train_mp.py --dry_run N`, synthetic batches): what a rank of a 4- or 16-GPU job holds, beside the performance
+model, without the GPUs. `make bench-dry-run` writes the JSON (device, torch, date).
+
+On a GPU the layouts are the published ones at the config's batch (global 64 over dp, fp16): tp=1 x dp=4, tp=4 x
+dp=4, the same with sequence parallelism and activation checkpointing, dp=16 with FSDP. A CPU cannot run the
+whole model's step in reasonable time, so there (or with --tiny) the layouts are the tensor-parallel ones at a
+local batch of 1 in fp32; bytes are the same tensors a GPU holds, the time is the CPU's.
+"""
+import datetime
+import json
+import subprocess
+import sys
+
+import torch
+
+from benchmarks.common import REPO_ROOT, cpu_cores, device_name
+from utils.atomic import write_json
+from utils.errors import ArgumentParser
+
+TP4, SP_AC = ["--tensor_parallel", "4"], ["--sequence_parallel", "--activation_checkpointing"]
+GPU_LAYOUTS = [  # (name, ranks, flags): the published runs of the original tutorial and the memory switches
+    ("tp=1 dp=4 (published: 44.9 GB after the forward, A100-80GB)", 4, []),
+    ("tp=4 dp=4 (published: 33.2 GB in 2024, 29.3 GB in 2025)", 16, TP4),
+    ("tp=4 dp=4 sequence parallel + checkpointing", 16, TP4 + SP_AC),
+    ("dp=16 FSDP", 16, ["--fsdp"]),
+]
+CPU_LAYOUTS = [
+    ("tp=4 dp=4", 16, TP4),
+    ("tp=4 dp=4 sequence parallel + checkpointing", 16, TP4 + SP_AC),
+    ("tp=4 cp=4", 16, TP4 + ["--context_parallel", "4"]),
+]
+
+
+def dry_run(config, ranks, flags, extra):
+    """The JSON of train_mp.py --dry_run (its last line), run in its own process."""
+    command = [sys.executable, "train_mp.py", "--config", config, "--dry_run", str(ranks), *flags,
+               "--data_loader_config", "synthetic", *extra]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"error: {' '.join(command)} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="default: bench_results/gpu/dry_run_mp.json on a GPU, else "
+                        "bench_results/dry_run_mp.json")
+    parser.add_argument("--tiny", action="store_true", help="the tiny config (a check of the command, seconds)")
+    args = parser.parse_args(argv)
+    if args.tiny and not args.out:
+        parser.error("--tiny checks the command; give it an --out of its own")
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    config = "tiny" if args.tiny else "mp"
+    layouts = GPU_LAYOUTS if on_gpu else CPU_LAYOUTS
+    extra = [] if on_gpu else ["--local_batch_size", "1", "--amp_mode", "none"]
+    if args.tiny:
+        layouts = [("tp=2 dp=2", 4, ["--tensor_parallel", "2"]), ("tp=2 cp=2", 4, ["--tensor_parallel", "2",
+                                                                                   "--context_parallel", "2"])]
+    out = args.out or ("bench_results/gpu/dry_run_mp.json" if on_gpu else "bench_results/dry_run_mp.json")
+    rows = []
+    for name, ranks, flags in layouts:
+        print(f"dry run: {name} ({ranks} ranks)", flush=True)
+        result = dry_run(config, ranks, flags, extra)
+        rows.append({"name": name, **result})
+        print(f"  rank 0 holds {sum(result[k] for k in ('parameters', 'gradients', 'optimizer_state')) / 1e9:.3f} GB "
+              f"of state, {result['saved_activations'] / 1e9:.3f} GB of saved activations; peak "
+              f"{result['peak_memory_gb']:.2f} GB ({result['peak_memory_is']}), step {result['step_time_s']:.3f} s "
+              "(compute only)", flush=True)
+    write_json(out, {"device": device_name(), "machine": cpu_cores(), "torch": torch.__version__,
+                          "date": datetime.date.today().isoformat(), "config": config, "extra_flags": extra,
+                          "rows": rows})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
