@@ -325,8 +325,9 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
     os.killpg(process.pid, signal.SIGINT)
     wait_until(process, log_path, lambda: "SIGINT received" in log_path.read_text(), "the first SIGINT")
     os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(timeout=120) == -signal.SIGINT
+    code = process.wait(timeout=120)
     output = log_path.read_text()
+    assert code == -signal.SIGINT, (code, output[-3000:])
     assert "Traceback" not in output and output.count(INTERRUPTED) == 1, output[-3000:]
 
 
