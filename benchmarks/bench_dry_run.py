@@ -8,13 +8,10 @@ whole model's step in reasonable time, so there (or with --tiny) the layouts are
 local batch of 1 in fp32; bytes are the same tensors a GPU holds, the time is the CPU's.
 """
 import datetime
-import json
-import subprocess
-import sys
 
 import torch
 
-from benchmarks.common import REPO_ROOT, cpu_cores, device_name
+from benchmarks.common import CPU_DRY_RUN_FLAGS, cpu_cores, device_name, dry_run_in_own_process
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -32,16 +29,6 @@ CPU_LAYOUTS = [
 ]
 
 
-def dry_run(config, ranks, flags, extra):
-    """The JSON of train_mp.py --dry_run (its last line), run in its own process."""
-    command = [sys.executable, "train_mp.py", "--config", config, "--dry_run", str(ranks), *flags,
-               "--data_loader_config", "synthetic", *extra]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"error: {' '.join(command)} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="default: bench_results/gpu/dry_run_mp.json on a GPU, else "
@@ -53,7 +40,7 @@ def main(argv=None):
     on_gpu = torch.cuda.is_available() and not args.tiny
     config = "tiny" if args.tiny else "mp"
     layouts = GPU_LAYOUTS if on_gpu else CPU_LAYOUTS
-    extra = [] if on_gpu else ["--local_batch_size", "1", "--amp_mode", "none"]
+    extra = [] if on_gpu else CPU_DRY_RUN_FLAGS
     if args.tiny:
         layouts = [("tp=2 dp=2", 4, ["--tensor_parallel", "2"]), ("tp=2 cp=2", 4, ["--tensor_parallel", "2",
                                                                                    "--context_parallel", "2"])]
@@ -61,7 +48,9 @@ def main(argv=None):
     rows = []
     for name, ranks, flags in layouts:
         print(f"dry run: {name} ({ranks} ranks)", flush=True)
-        result = dry_run(config, ranks, flags, extra)
+        result, error = dry_run_in_own_process(["--config", config, "--dry_run", str(ranks), *flags, *extra])
+        if error:
+            raise SystemExit(f"error: the dry run of {name} failed: {error}")
         rows.append({"name": name, **result})
         print(f"  rank 0 holds {sum(result[k] for k in ('parameters', 'gradients', 'optimizer_state')) / 1e9:.3f} GB "
               f"of state, {result['saved_activations'] / 1e9:.3f} GB of saved activations; peak "

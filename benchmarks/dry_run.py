@@ -54,8 +54,7 @@ def predicted(params, layout, device, ddp=True):
         system = perf_model.SYSTEMS[found["system"]]
         amp_mode = params.amp_mode if params.amp_enabled else "none"
         row = perf_model.predict(shape, system, layout, params.local_batch_size * layout.dp, amp_mode)
-        breakdown = row["time_breakdown_s"]
-        found["step_time_s"] = breakdown["matmul"] + breakdown["softmax"] + breakdown["memory_bound"]
+        found["step_time_s"] = perf_model.compute_seconds(row)
     return found
 
 

@@ -385,7 +385,7 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     activations (its recomputation under checkpointing, its gradients otherwise)."""
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     states = state_bytes_per_rank(shape, layout)
-    buckets = states["gradients"] if ddp and layout.gpus > 1 and not layout.fsdp else 0
+    buckets = states["gradients"] if ddp and layout.world_size > 1 and not layout.fsdp else 0
     found = {"weights": states["parameters"], "optimizer_state": states["optimizer_state"], "ddp_buckets": buckets,
              "gathered_root": 0}
     if layout.fsdp and dp > 1:
@@ -448,10 +448,10 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     memory = memory_bytes(shape, layout, batch, half)
     flops = flops_per_sample(shape)
     return {
-        "tp": tp, "cp": cp, "dp": dp, "gpus": layout.gpus, "order": layout.order, "flags": layout.flags(),
+        "tp": tp, "cp": cp, "dp": dp, "gpus": layout.world_size, "order": layout.order, "flags": layout.flags(),
         "system": system.name, "amp_mode": amp_mode, "global_batch_size": global_batch, "local_batch_size": batch,
         "samples_per_sec": samples_per_sec,
-        "mfu": flops * samples_per_sec / (layout.gpus * peak_flops),
+        "mfu": flops * samples_per_sec / (layout.world_size * peak_flops),
         "memory_after_forward_gb": memory["after_forward"] / GIB + overhead_gib,
         "peak_memory_gb": memory["peak"] / GIB + overhead_gib,
         "fits": memory["peak"] / GIB + overhead_gib <= system.memory_gib,
@@ -469,6 +469,11 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
                             for group, op, nbytes, when in collectives],
         },
     }
+
+
+def compute_seconds(prediction):
+    """The compute of one step in a `predict` result (matmul, softmax and memory-bound kernels; no collective)."""
+    return sum(prediction["time_breakdown_s"][kind] for kind in ("matmul", "softmax", "memory_bound"))
 
 
 def predicted_memory_line(params, layout, ddp=True):

@@ -19,15 +19,16 @@ and how long its step computes beside the prediction.
 import itertools
 import json
 import math
-import os
-import subprocess
-import sys
 
+import torch
+
+from benchmarks.common import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
 from benchmarks.perf_model import (
     GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
     ViTShape,
+    compute_seconds,
     flops_per_sample,
     parameters_per_rank,
     predict,
@@ -36,7 +37,6 @@ from utils.errors import ArgumentParser, UserError, exit_on_user_error
 from utils.layout import Layout
 from utils.YParams import YParams
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURE_TIMEOUT_S = 3600  # one dry run of --measure (the `mp` ViT's rank 0 on a laptop CPU takes minutes)
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
 # the published runs (the original tutorial's README, Perlmutter): config, GPU, layout, amp, samples/s, and the
@@ -89,7 +89,7 @@ def refusal(shape, layout, global_batch):
 
 
 def sbatch_line(config, layout, amp_mode=None):
-    gpus = layout.gpus
+    gpus = layout.world_size
     nodes = f"--nodes {math.ceil(gpus / 4)}" if gpus >= 4 else f"--nodes 1 --ntasks-per-node {gpus} " \
         f"--gpus-per-node {gpus}"
     extra = [f"--amp_mode={amp_mode}"] if amp_mode else []
@@ -179,7 +179,7 @@ def print_published(as_json):
         ratio = row["samples_per_sec"] / speed
         memory_cell = "not published" if memory is None else \
             f"{row['peak_memory_gb']:.1f} / {memory} ({row['peak_memory_gb'] / memory:.2f}x)"
-        print(f"| `{config}` tp={layout.tp} dp={layout.dp}, {amp} | {layout.gpus} x {gpu} | "
+        print(f"| `{config}` tp={layout.tp} dp={layout.dp}, {amp} | {layout.world_size} x {gpu} | "
               f"{row['samples_per_sec']:.1f} / {speed} ({ratio:.2f}x) | {memory_cell} |")
         found.append({**row, "config": config, "published_samples_per_sec": speed,
                       "published_memory_gb": memory})
@@ -259,28 +259,20 @@ def main(argv=None):
 def dry_run(row, gpus, args):
     """Rank 0 of the layout `row` on this machine: train_mp.py --dry_run in its own process (a process group is one
     per process), on synthetic batches of the config's shape; its JSON, or the one line it failed with."""
-    command = [sys.executable, "train_mp.py", "--yaml_config", args.yaml_config, "--config", args.config,
-               "--dry_run", str(gpus), *row["flags"], "--data_loader_config", "synthetic"]
-    if not torch_sees_a_gpu():  # a CPU: the smallest step (bytes per sample scale with the batch), in fp32
-        command += ["--local_batch_size", "1", "--amp_mode", "none"]
+    flags = ["--yaml_config", args.yaml_config, "--config", args.config, "--dry_run", str(gpus), *row["flags"]]
+    if not torch.cuda.is_available():  # a CPU: the smallest step (bytes per sample scale with the batch), in fp32
+        flags += CPU_DRY_RUN_FLAGS
     elif args.amp_mode:
-        command += ["--amp_mode", args.amp_mode]
-    try:
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"flags": row["flags"], "error": f"no result within {MEASURE_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"flags": row["flags"], "error": why}
-    return json.loads(lines[-1])
+        flags += ["--amp_mode", args.amp_mode]
+    result, error = dry_run_in_own_process(flags, timeout=MEASURE_TIMEOUT_S)
+    return {"flags": row["flags"], "error": error} if error else result
 
 
 def measure(rows, gpus, args):
     """Dry runs of `rows` (their rank 0), printed beside the model: this rank's state (parameters, gradients, Adam),
     its saved activations, the peak and the compute time of one step (measured on this machine's device; the
     prediction is for --gpu)."""
-    where = "this GPU, the config's batch" if torch_sees_a_gpu() else "this CPU, local batch 1 in fp32"
+    where = "this GPU, the config's batch" if torch.cuda.is_available() else "this CPU, local batch 1 in fp32"
     print(f"Measured by dry runs (rank 0 of {gpus}, train_mp.py --dry_run, synthetic data) on {where}; each beside "
           "its own prediction (the model at the run's batch; compute time for --gpu):")
     print("| layout | state, MB: model / measured | saved activations, MB | peak, GB | step compute, ms |")
@@ -296,17 +288,12 @@ def measure(rows, gpus, args):
         model = result["predicted"]
         state = model["parameters"] + model["gradients"] + model["optimizer_state"]
         measured_state = result["parameters"] + result["gradients"] + result["optimizer_state"]
-        compute = sum(row["time_breakdown_s"][kind] for kind in ("matmul", "softmax", "memory_bound"))
+        compute = compute_seconds(row)
         print(f"| {name} | {state / 1e6:.1f} / {measured_state / 1e6:.1f} | "
               f"{model['saved_activations'] / 1e6:.1f} / {result['saved_activations'] / 1e6:.1f} | "
               f"{model['peak_memory_gb']:.2f} / {result['peak_memory_gb']:.2f} | "
               f"{compute * 1e3:.1f} on {args.gpu} / {result['step_time_s'] * 1e3:.1f} on {result['device']} |")
     return found
-
-
-def torch_sees_a_gpu():
-    import torch  # here: the planner itself needs no torch
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Every loader offers the training loop the same interface (loaders/common.py). `L
 """
 from loaders.cosmo import cosmo_loader
 from loaders.era5 import era5_loader
-from loaders.synthetic import synthetic_loader
+from loaders.synthetic import SyntheticLoader
 from utils.errors import UserError
 
 
@@ -33,7 +33,7 @@ def image_loader(params, train):
 
 # dataset -> {data_loader_config: fn(params, train) -> loader}; the key None: whatever data_loader_config says
 LOADERS = {
-    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader, "synthetic": synthetic_loader},
+    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader, "synthetic": SyntheticLoader},
     "cosmo": {"synthetic": cosmo_loader, "inmem": cosmo_loader, "lowmem": cosmo_loader,
               "dali-lowmem": dali_cosmo_loader},
     "cifar100": {None: image_loader},

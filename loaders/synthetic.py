@@ -40,7 +40,3 @@ class SyntheticLoader:
 
     def describe(self, epoch, step):
         return "a synthetic batch (random values)"
-
-
-def synthetic_loader(params, train):
-    return SyntheticLoader(params, train)

@@ -154,11 +154,11 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
     replica and "dp" is the world (train.py). With `dry_run_rank` this one process is that rank of the layout's
     world and the other ranks are stand-ins (join_dry_run). Returns (world size, world rank, local rank)."""
     if dry_run_rank is not None:
-        return join_dry_run(layout, dry_run_rank)
+        join_dry_run(layout, dry_run_rank)  # the process group is then joined: the groups are built below
     world_size = world_size_to_be()
-    # checked before the rendezvous, so that every rank stops at once with the same line
+    # checked before the rendezvous, so that every rank stops at once with the same line (a Layout was checked when
+    # it was built for this world)
     if isinstance(layout, Layout):
-        layout.check(world_size=world_size)
         if layout.world_size != world_size:
             raise ValueError(f"the layout is for {layout.world_size} ranks, the job has {world_size}")
     else:
@@ -181,10 +181,10 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
 
 
 def join_dry_run(layout, rank):
-    """This process as rank `rank` of the Layout `layout` (train_mp.py --dry_run): a process group of torch's fake
-    backend (utils/compat.py: its collectives return at once and move no data) and the groups of the grid, so that
-    every kernel this rank runs is real and every tensor it holds has its real shape; the values that cross ranks
-    are meaningless."""
+    """Join, as rank `rank` of the Layout `layout` (train_mp.py --dry_run), a process group of torch's fake backend
+    (utils/compat.py: its collectives return at once and move no data), alone: with the grid's groups (init) every
+    kernel this rank runs is real and every tensor it holds has its real shape; the values that cross ranks are
+    meaningless."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 or dist.is_initialized():
         raise UserError("--dry_run runs one process standing for the whole layout; start it with python, not "
                         "torchrun or srun with several tasks")
@@ -197,10 +197,6 @@ def join_dry_run(layout, rank):
                  "compute only")
     join_fake_process_group(rank, layout.world_size)
     register_cleanup(destroy)  # a refusal after this point leaves no process group behind (a finished run: no-op)
-    _groups.clear()
-    _layout["now"] = layout
-    _build_groups(layout.grid())
-    return get_world_size(), get_world_rank(), get_local_rank()
 
 
 def is_dry_run():

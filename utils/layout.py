@@ -11,7 +11,6 @@ comm.init checks the world size, the ViT its shape and dropout, parallelize the 
 split its batch, the planner (benchmarks/plan.py) every fact at once without starting a process. The rules that
 need no fact are checked whenever a Layout is made, so a Layout that exists is a layout that can run.
 """
-import dataclasses
 from dataclasses import dataclass
 
 from utils.errors import UserError
@@ -67,8 +66,6 @@ class Layout:
     def world_size(self):
         return self.tp * self.cp * self.dp
 
-    gpus = world_size
-
     @property
     def model_parallel(self):
         """Ranks that hold parts of one model (tp x cp)."""
@@ -93,9 +90,6 @@ class Layout:
         if line:
             raise UserError(line)
         return self
-
-    def with_dp(self, dp):
-        return dataclasses.replace(self, dp=dp)
 
     def flags(self):
         """train_mp.py's flags for this layout."""
