@@ -45,21 +45,26 @@ def main(argv=None):
         layouts = [("tp=2 dp=2", 4, ["--tensor_parallel", "2"]), ("tp=2 cp=2", 4, ["--tensor_parallel", "2",
                                                                                    "--context_parallel", "2"])]
     out = args.out or ("bench_results/gpu/dry_run_mp.json" if on_gpu else "bench_results/dry_run_mp.json")
-    rows = []
+    doc = {"device": device_name(), "machine": cpu_cores(), "torch": torch.__version__,
+           "date": datetime.date.today().isoformat(), "config": config, "extra_flags": extra, "rows": []}
+    failed = []
     for name, ranks, flags in layouts:
         print(f"dry run: {name} ({ranks} ranks)", flush=True)
         result, error = dry_run_in_own_process(["--config", config, "--dry_run", str(ranks), *flags, *extra])
-        if error:
-            raise SystemExit(f"error: the dry run of {name} failed: {error}")
-        rows.append({"name": name, **result})
-        print(f"  rank 0 holds {sum(result[k] for k in ('parameters', 'gradients', 'optimizer_state')) / 1e9:.3f} GB "
-              f"of state, {result['saved_activations'] / 1e9:.3f} GB of saved activations; peak "
-              f"{result['peak_memory_gb']:.2f} GB ({result['peak_memory_is']}), step {result['step_time_s']:.3f} s "
-              "(compute only)", flush=True)
-    write_json(out, {"device": device_name(), "machine": cpu_cores(), "torch": torch.__version__,
-                          "date": datetime.date.today().isoformat(), "config": config, "extra_flags": extra,
-                          "rows": rows})
+        if error:  # said and kept; the other layouts still run
+            failed.append(name)
+            doc["rows"].append({"name": name, "error": error})
+            print(f"  failed: {error}", flush=True)
+        else:
+            doc["rows"].append({"name": name, **result})
+            print(f"  rank 0 holds {sum(result[k] for k in ('parameters', 'gradients', 'optimizer_state')) / 1e9:.3f} "
+                  f"GB of state, {result['saved_activations'] / 1e9:.3f} GB of saved activations; peak "
+                  f"{result['peak_memory_gb']:.2f} GB ({result['peak_memory_is']}), step {result['step_time_s']:.3f} s "
+                  "(compute only)", flush=True)
+        write_json(out, doc)  # after every layout: a run cut short keeps what it measured
     print(f"wrote {out}")
+    if failed:
+        raise SystemExit(f"error: the dry run of {', '.join(failed)} failed (the reasons are in {out})")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--skip-benchmarks", action="store_true", help="the CUDA-only tests only")
     parser.add_argument("--tests", default="tests", help="where pytest looks for the tests marked gpu")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -86,6 +87,8 @@ def main(argv=None):
         if tests.returncode != 0:
             failures.append(f"gpu tests: {report['gpu_tests']['summary']}")
 
+    if args.skip_benchmarks:
+        return finish(report, failures, args.out)
     sizes = "tiny" if args.tiny else "full"
     data = make_data(os.path.join(os.path.abspath(args.work), sizes), DATA_SIZES[sizes], log)
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 20, "ntrials": 2, "nwarmup": 1}
@@ -109,9 +112,14 @@ def main(argv=None):
     else:
         report["cuda_graphs"] = {"skipped": "CUDA Graphs need a CUDA GPU"}
         log("CUDA Graphs benchmark skipped: no CUDA GPU")
+    return finish(report, failures, args.out)
+
+
+def finish(report, failures, out):
+    """Write the report; 0 if nothing failed, else 1 with the failures in one line."""
     report["failures"] = failures
-    write_json(args.out, report)
-    log(f"report written to {args.out}")
+    write_json(out, report)
+    log(f"report written to {out}")
     if failures:
         print("error: gpu-check failed: " + "; ".join(failures), file=sys.stderr)
         return 1

@@ -165,19 +165,24 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
     parser.add_argument("--skip-levers", action="store_true", help="the table's rows only")
+    parser.add_argument("--data-only", action="store_true", help="generate the sample data and stop (to make it "
+                        "on the CPU while the GPU does something else)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.rows.split(",")) - set(ROWS))
     if unknown:
         print(f"error: unknown row {', '.join(unknown)}; choose among: {', '.join(ROWS)}", file=sys.stderr)
         return 2
+    sizes = "tiny" if args.tiny else "full"
+    work = os.path.abspath(args.work)
+    if args.data_only:
+        make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
+        return 0
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: make gpu-table measures a GPU (torch.cuda.is_available() is False here); run it on a GPU "
               "node, e.g. `salloc -C gpu -N 1 -G 1` then `make gpu-table`", file=sys.stderr)
         return 2
     report = {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "date": time.strftime("%Y-%m-%d"), "started": time.ctime(), "tiny": args.tiny, "rows": {}}
-    sizes = "tiny" if args.tiny else "full"
-    work = os.path.abspath(args.work)
     data = make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 2, "nwarmup": 1}
     for name in args.rows.split(","):
@@ -193,6 +198,7 @@ def main(argv=None):
         result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags, work, bench,
                            script=script, log=log)
         report["rows"][name] = {**result, **({"note": note} if note else {})}
+        write_json(args.out, report)  # after every row: a run cut short keeps what it measured
         if result["ok"]:
             log(f"{label}: FULL {result['FULL']['mean']:.1f} samples/s, SYNTHETIC {result['SYNTHETIC']['mean']:.1f}, "
                 f"peak memory {result['peak_memory_gb']:.2f} GB ({result['seconds']:.0f} s)")
