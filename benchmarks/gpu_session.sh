@@ -41,9 +41,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     part "CUDA-only tests" 150 "$py" -m benchmarks.gpu_check --skip-benchmarks ${check[@]+"${check[@]}"} \
         --out "$dir/gpu_tests.json"
     wait "$data" || status=1
-    part "single-GPU table" 530 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} \
+    part "single-GPU table" 545 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} \
         --out "$dir/single_gpu_table.json"
-    part "dry runs" 580 "$py" -m benchmarks.bench_dry_run ${tiny[@]+"${tiny[@]}"} --out "$dir/dry_run_mp.json"
+    part "dry runs" 590 "$py" -m benchmarks.bench_dry_run ${tiny[@]+"${tiny[@]}"} --out "$dir/dry_run_mp.json"
     echo "[session $((SECONDS - start)) s] done, status $status"
     exit "$status"
 } 2>&1 | tee "$dir/session.log"

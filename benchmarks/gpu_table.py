@@ -11,12 +11,13 @@ step on one batch kept on the GPU):
   then each lever of the ViT step on its own (benchmarks/bench_levers.py, into the same JSON).
 A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason. Targets (ViT
 `short` bf16, 8 workers, FULL): eager >= 135 samples/s, fused + compile >= 165, the run with the loader >= 95% of
-the same step without it, peak memory <= 14.2 GB; each with its measured value and whether it was met. About 6
-minutes on one H100 (an estimate until it has run there). ERA5 is generated with 128 samples (8 steps an epoch);
-where /dev/shm cannot hold 8 workers' rings, fewer workers run and the row says so. `--tiny --allow-cpu` runs the
-same rows on the `tiny` configs (a check of this script on any machine).
+the same step without it, peak memory <= 14.2 GB; each with its measured value and whether it was met. On one H100
+(2026-11-27) the rows took 12 minutes in all at 12 batches x 2 trials on 128 samples a year; now 12 batches x 1
+trial (4 for the fp32 ViT rows, whose step is 0.86 s) on 64 samples (4 steps an epoch), estimated from those rows'
+times at about 7.5 minutes with the data, and 1 more for the levers (not yet rerun on a GPU). Where /dev/shm cannot
+hold 8 workers' rings, fewer workers run and the row says so. `--tiny --allow-cpu` runs the same rows on the `tiny`
+configs (a check of this script on any machine).
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import time
 import torch
 
 from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, run_stage
+from loaders.common import dali_installed
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -51,6 +53,8 @@ ROWS = {
     "resnet_extra_opts": ("ResNet bs256-amp-nhwc-extra-opts", "config/ResNet50.yaml", "bs256-amp-nhwc-extra-opts",
                           "cifar100", "train.py", []),
 }
+# the fp32 ViT step takes 0.86 s on an H100 (2026-11-27) and varied by 0.02% between trials: 4 batches measure it
+FP32_VIT_ROWS = ("vit_baseline", "vit_workers")
 TARGETS = {  # (row, what, at least / at most)
     "eager_samples_per_s": ("vit_bf16", "FULL samples/s", 135.0, None),
     "fused_compile_samples_per_s": ("vit_fused_compile", "FULL samples/s", 165.0, None),
@@ -60,9 +64,9 @@ TARGETS = {  # (row, what, at least / at most)
 }
 
 
-# ERA5 at 360 x 720 with 128 samples a year: 8 steps of `short`'s batch 16 an epoch, so the runs cross epoch
+# ERA5 at 360 x 720 with 64 samples a year: 4 steps of `short`'s batch 16 an epoch, so the runs cross epoch
 # boundaries (the tutorial's `short` reads 512 samples: 32 steps)
-TABLE_SIZES = {"full": {**DATA_SIZES["full"], "era5": {**DATA_SIZES["full"]["era5"], "steps_per_year": 128}},
+TABLE_SIZES = {"full": {**DATA_SIZES["full"], "era5": {**DATA_SIZES["full"]["era5"], "steps_per_year": 64}},
                "tiny": DATA_SIZES["tiny"]}
 VIT_SHORT_BATCH_BYTES = 16 * 2 * 20 * 360 * 720 * 4  # input and target of one `short` batch, float32: 664 MB
 
@@ -99,7 +103,7 @@ def cannot_run(script, flags):
     """Why a row cannot run on this machine, or None."""
     if script == "train_graph.py" and not torch.cuda.is_available():
         return "CUDA Graphs need a CUDA GPU"
-    if "dali" in flags and importlib.util.find_spec("nvidia.dali") is None:
+    if "dali" in flags and not dali_installed():
         return "NVIDIA DALI is not installed here (pip install nvidia-dali-cuda120)"
     return None
 
@@ -184,7 +188,7 @@ def main(argv=None):
     report = {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "date": time.strftime("%Y-%m-%d"), "started": time.ctime(), "tiny": args.tiny, "rows": {}}
     data = make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
-    bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 2, "nwarmup": 1}
+    bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 1, "nwarmup": 1}
     for name in args.rows.split(","):
         label, yaml, config, dataset, script, flags = ROWS[name]
         reason = cannot_run(script, flags)
@@ -195,7 +199,8 @@ def main(argv=None):
         flags, note = workers_that_fit(flags, args.tiny, shm_free_bytes())
         if note:
             log(f"{label}: {note}")
-        result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags, work, bench,
+        row_bench = {**bench, "nbatches": 4} if name in FP32_VIT_ROWS and not args.tiny else bench
+        result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags, work, row_bench,
                            script=script, log=log)
         report["rows"][name] = {**result, **({"note": note} if note else {})}
         write_json(args.out, report)  # after every row: a run cut short keeps what it measured

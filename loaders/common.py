@@ -10,6 +10,7 @@ This module imports no other loader module (loaders/era5.py, cosmo.py, images.py
 """
 import collections
 import copy
+import importlib.util
 import logging
 import math
 import warnings
@@ -353,6 +354,14 @@ def _seed_worker(worker_id):
 
 
 # --- the parts every DALI loader shares (loaders/dali_era5.py, loaders/dali_cosmo.py) ---
+
+def dali_installed():
+    """Whether NVIDIA DALI can be found here (without importing it)."""
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:  # not even the `nvidia` namespace
+        return False
+
 
 def _import_dali(config):
     try:

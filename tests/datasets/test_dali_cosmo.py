@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from lifecycle.cli import apply_overrides, training_parser
 from loaders import get_data_loader
+from loaders.common import dali_installed
 from loaders.cosmo import ROTATIONS, CosmoDataset, CropPlan
 from sample_data.cosmo import write_cosmo
 from utils.errors import UserError
@@ -201,6 +202,7 @@ def test_missing_dali_is_one_clear_line(small_boxes, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU pipeline needs CUDA")
+@pytest.mark.skipif(not dali_installed(), reason="NVIDIA DALI is not installed (pip install nvidia-dali-cuda120)")
 def test_gpu_pipeline_returns_the_cpu_crops(small_boxes):
     torch_loader = loader(small_boxes, "lowmem", True, Nsamples=24)
     dali_loader = loader(small_boxes, "dali-lowmem", True, Nsamples=24)

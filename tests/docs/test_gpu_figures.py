@@ -1,0 +1,117 @@
+"""README's GPU figures are the committed GPU runs' JSON (bench_results/gpu/), number for number: the single-GPU
+table, each change to the step, the attention kernels, the UNet and ResNet rates and the dry runs. docs/benchmarks.md
+holds `make gpu-table`'s own table of the same run. Twin: a changed number in the JSON is named as a mismatch."""
+import copy
+import json
+from pathlib import Path
+
+from benchmarks import gpu_table
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "bench_results" / "gpu"
+
+VIT_ROWS = {  # README's label -> the gpu-table row
+    "baseline: fp32, no loader workers": "vit_baseline",
+    "fp32, 8 workers (DALI: not installed there)": "vit_workers",
+    "`--amp_mode bf16`": "vit_bf16",
+    "`--amp_mode bf16 --enable_fused --enable_jit`": "vit_fused_compile",
+    "`train_graph.py --amp_mode bf16 --enable_fused`": "vit_graphs",
+}
+LEVERS = {  # README's label start -> (before: (part, variant), after: (part, variant))
+    "| tokens contiguous after the patch embedding": (("step_alone_ms", "tokens_transposed"), ("step_alone_ms", "now")),
+    "| the next batch (664 MB) copied on a copy stream": (("with_loader_ms", "copy_on_compute_stream"),
+                                                          ("with_loader_ms", "now")),
+    "| loader requests run on across epoch boundaries": (("with_loader_ms", "loader_restarted_each_epoch"),
+                                                         ("with_loader_ms", "now")),
+}
+DRY_RUN_ROWS = {"| tp=1 dp=4 |": "tp=1 dp=4 (", "| tp=4 dp=4 |": "tp=4 dp=4 ("}
+
+
+def cells(text, start):
+    """The cells of the one table line of `text` that starts with `start`."""
+    lines = [line for line in text.splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"README should have one table line starting {start!r}, has {len(lines)}"
+    return [cell.strip() for cell in lines[0].strip("|").split("|")]
+
+
+def mismatches(readme, table, dry):
+    """Each README figure that is not the JSON's, as 'what: README says X, the JSON Y'."""
+    found = []
+
+    def check(what, said, value):
+        if said != value:
+            found.append(f"{what}: README says {said!r}, the JSON {value!r}")
+
+    rows = table["rows"]
+    for label, name in VIT_ROWS.items():
+        row = cells(readme, f"| {label} |")
+        check(f"{name} FULL", row[1], f"{rows[name]['FULL']['mean']:.1f}")
+        check(f"{name} SYNTHETIC", row[2], f"{rows[name]['SYNTHETIC']['mean']:.1f}")
+        check(f"{name} peak", row[3], f"{rows[name]['peak_memory_gb']:.1f} GB")
+    levers = table["levers"]
+    for start, ((before_part, before), (after_part, after)) in LEVERS.items():
+        row = cells(readme, start)
+        check(f"{start} before", row[1], f"{levers[before_part][before]:.1f}")
+        check(f"{start} after", row[2], f"{levers[after_part][after]:.1f}")
+    attention = levers["attention_ms"]
+    check("attention", f"{attention['auto']:.1f} ms with cuDNN's" in readme
+          and f"{attention['flash']:.1f} with FlashAttention-2" in readme
+          and f"{attention['efficient']:.1f} memory-efficient" in " ".join(readme.split()), True)
+    unet = cells(readme, "| one H100 (torch 2.11.0+cu130, 2026-11-27, `make gpu-table`) |")
+    check("UNet IO, SYNTHETIC, FULL", unet[1:4], [f"{rows['unet_short'][part]['mean']:.0f}"
+                                                  for part in ("IO", "SYNTHETIC", "FULL")])
+    flat = " ".join(readme.split())
+    for name in ("resnet_bs128", "resnet_extra_opts"):
+        check(f"{name} FULL", f"{rows[name]['FULL']['mean']:,.0f}" in flat, True)
+    alone = rows["resnet_extra_opts"]["SYNTHETIC"]["mean"]
+    check("resnet_extra_opts SYNTHETIC", f"the step alone {alone:,.0f}" in flat, True)
+    for start, prefix in DRY_RUN_ROWS.items():
+        row = cells(readme, start)
+        result = next(r for r in dry["rows"] if r["name"].startswith(prefix))
+        state = sum(result[k] for k in ("parameters", "gradients", "optimizer_state"))
+        model = sum(result["predicted"][k] for k in ("parameters", "gradients", "optimizer_state"))
+        check(f"{start} state", row[1], f"{state / 1e9:.3f} / {model / 1e9:.3f} GB")
+        check(f"{start} saved", row[2], f"{result['saved_activations'] / 1e9:.3f} / "
+                                        f"{result['predicted']['saved_activations'] / 1e9:.3f} GB")
+        check(f"{start} peak", row[3], f"{result['peak_memory_gb']:.1f} / "
+                                       f"{result['predicted']['peak_memory_gb']:.1f} GB")
+    return found
+
+
+def load():
+    readme = (ROOT / "README.md").read_text()
+    table = json.loads((GPU / "single_gpu_table.json").read_text())
+    dry = json.loads((GPU / "dry_run_mp.json").read_text())
+    return readme, table, dry
+
+
+def test_readme_gpu_figures_are_the_committed_runs():
+    readme, table, dry = load()
+    assert table["device"].startswith("NVIDIA H100") and dry["device"].startswith("NVIDIA H100")
+    assert "on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, 16 CPU cores, 2026-11-27)" in " ".join(readme.split())
+    assert table["date"] == "2026-11-27" and table["torch"] == "2.11.0+cu130"
+    assert mismatches(readme, table, dry) == []
+
+
+def test_a_changed_number_is_a_mismatch():
+    readme, table, dry = load()
+    changed = copy.deepcopy(table)
+    changed["rows"]["vit_bf16"]["FULL"]["mean"] += 1.0
+    changed["levers"]["with_loader_ms"]["loader_restarted_each_epoch"] += 1.0
+    changed_dry = copy.deepcopy(dry)
+    changed_dry["rows"][1]["saved_activations"] += 10 ** 7
+    found = mismatches(readme, changed, changed_dry)
+    assert [line.split(":")[0] for line in found] == ["vit_bf16 FULL", "| loader requests run on across epoch "
+                                                      "boundaries before", "| tp=4 dp=4 | saved"], found
+    assert mismatches(readme.replace("167.6", "167.7"), table, dry) == [
+        "vit_fused_compile FULL: README says '167.7', the JSON '167.6'"]
+
+
+def test_docs_benchmarks_hold_the_tables_own_rendering():
+    """docs/benchmarks.md shows `make gpu-table`'s table of the committed run, as gpu_table.table renders it, and the
+    targets as the JSON judged them."""
+    _, table, _ = load()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert gpu_table.table(table) in docs
+    assert all(target["met"] for target in table["targets"].values()), table["targets"]
+    assert gpu_table.check_targets(table["rows"]) == table["targets"]
