@@ -170,3 +170,20 @@ def test_bench_dry_run_writes_each_layouts_rank_0(tmp_path):
     assert [(row["layout"]["tp"], row["layout"]["cp"], row["rank"]) for row in doc["rows"]] == [(2, 1, 0), (2, 2, 0)]
     for row in doc["rows"]:
         assert row["parameters"] == row["predicted"]["parameters"] > 0
+
+
+def test_bench_dry_run_keeps_a_failed_layout_and_goes_on(tmp_path, monkeypatch):
+    """A layout that fails is kept with its reason, the next one still runs, the JSON is written after each, and the
+    command ends with an error naming the failed layout (a GPU session's deadline may cut it at any layout)."""
+    from benchmarks import bench_dry_run
+    written = []
+    monkeypatch.setattr(bench_dry_run, "write_json", lambda path, doc: written.append(json.loads(json.dumps(doc))))
+    result = {"parameters": 1, "gradients": 1, "optimizer_state": 2, "saved_activations": 3, "peak_memory_gb": 0.1,
+              "peak_memory_is": "the sum of this rank's tensors above", "step_time_s": 0.5}
+    answers = iter([(None, "out of memory"), (result, None)])
+    monkeypatch.setattr(bench_dry_run, "dry_run_in_own_process", lambda args: next(answers))
+    with pytest.raises(SystemExit, match=r"error: the dry run of tp=2 dp=2 failed \(the reasons are in .*dry.json\)"):
+        bench_dry_run.main(["--tiny", "--out", str(tmp_path / "dry.json")])
+    assert [len(doc["rows"]) for doc in written] == [1, 2]
+    assert written[-1]["rows"] == [{"name": "tp=2 dp=2", "error": "out of memory"},
+                                   {"name": "tp=2 cp=2", **result}]
