@@ -29,7 +29,7 @@ def train_flops_per_sample(build_model, params, sample_shape):
     return counter.get_total_flops() // batch
 
 
-def measure_matmul_peak(device, dtype=torch.float32, seconds=0.5, max_size=4096):
+def measure_matmul_peak(device, dtype=torch.float32, seconds=0.2, max_size=4096):
     """FLOP/s of a square matmul on `device`: the practical peak for CPUs and unknown GPUs.
 
     The size doubles until one matmul takes 20 ms (large enough to be compute bound, small enough to
