@@ -130,7 +130,8 @@ def main(argv=None):
 
     milestones = Milestones(params, args, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
     meter = EpochMeter(device, train_loader, params)
-    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters)  # every rank: one report each
+    # every rank: one report each (Nsight), one trace each (--torch_profile)
+    profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, trace=args.torch_profile)
     open_tensorboard(run, start_iter)
     if start_iter == 0:
         log_step0(run, model, train_loader.first_batch(), valid_loader, to_device, loss_fn, metrics_fn, autocast)

@@ -7,9 +7,20 @@
 # it measured and the next part still runs. Reports go to DIR (default bench_results/gpu), the whole log beside them.
 #   bash benchmarks/gpu_session.sh [DIR]                         # on a GPU node (PYTHON=python3 by default)
 #   bash benchmarks/gpu_session.sh DIR --tiny --allow-cpu        # a check of this script on any machine
+# With --lessons (first after DIR) it runs instead the tutorial's lessons as an attendee runs them, in about 8
+# minutes: example runs with their logs, TensorBoard events and a profile of each step (benchmarks/gpu_lessons.py),
+# packed into DIR/lessons.tar.gz; the sample data and checkpoints stay in $LESSONS_WORK (default /tmp/lessons).
 set -u
 dir=${1:-bench_results/gpu}
 shift $(($# > 0 ? 1 : 0))
+if [[ ${1:-} == --lessons ]]; then
+    shift
+    mkdir -p "$dir"
+    work=${LESSONS_WORK:-/tmp/lessons}
+    "${PYTHON:-python3}" -m benchmarks.gpu_lessons --out "$work" --pack "$dir/lessons.tar.gz" "$@" 2>&1 \
+        | tee "$dir/lessons.log"
+    exit "${PIPESTATUS[0]}"
+fi
 check=("$@")
 tiny=()
 [[ " ${check[*]-} " == *" --tiny "* ]] && tiny=(--tiny)

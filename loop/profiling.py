@@ -1,45 +1,114 @@
-"""Nsight hooks: NVTX ranges and a profiler window; no-ops on CPU.
+"""Profiling hooks: NVTX ranges and a profiler window for Nsight Systems (no-ops on CPU), and the same window as a
+torch.profiler trace (`--torch_profile PATH`, on any device).
 
 The window both calls cudaProfilerStart/Stop (`nsys profile -c cudaProfilerApi`) and spans an NVTX range named
-PROFILE (`nsys profile --capture-range=nvtx --nvtx-capture=PROFILE`, the ResNet stage's command).
+PROFILE (`nsys profile --capture-range=nvtx --nvtx-capture=PROFILE`, the ResNet stage's command). With a trace path
+it also records torch.profiler over the window (CPU ops, and CUDA kernels and copies on a GPU), each step a
+`ProfilerStep#N` range and the loop's NVTX ranges as named ranges, and writes a Chrome trace (gzipped where the path
+ends in .gz) that `python -m benchmarks.step_profile` reduces to a table and draws as a timeline.
 """
 import contextlib
+import os
 
 import torch
 
+_tracing = False  # a torch.profiler window is recording: nvtx_range also names its range there
+
 
 def nvtx_range(name):
-    """An NVTX range around a block on CUDA; nothing on CPU."""
+    """An NVTX range around a block on CUDA, also a named range in a torch.profiler trace being recorded; nothing on
+    CPU otherwise."""
+    if _tracing:
+        return _named_range(name)
     return torch.cuda.nvtx.range(name) if torch.cuda.is_available() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _named_range(name):
+    with torch.profiler.record_function(name):
+        if torch.cuda.is_available():
+            with torch.cuda.nvtx.range(name):
+                yield
+        else:
+            yield
+
+
+def trace_path(path, rank, world_size):
+    """The trace file of this rank: PATH itself for one rank, PATH with `.rank<R>` before its extension for many."""
+    if world_size <= 1:
+        return path
+    root, ext = (path[:-8], ".json.gz") if path.endswith(".json.gz") else os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
 
 
 class CudaProfilerWindow:
     """torch.cuda.profiler.start()/stop() and the NVTX range PROFILE around the first `num_iters` steps (None: all)
-    of one epoch."""
+    of one epoch; with `trace` (a file path), a torch.profiler recording of the same steps written there."""
 
-    def __init__(self, epoch, num_iters=None, enabled=True):
+    def __init__(self, epoch, num_iters=None, enabled=True, trace=None):
         self.epoch = epoch
         self.num_iters = num_iters
         self.enabled = enabled and torch.cuda.is_available()
+        self.trace = None
+        if trace:
+            rank, size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                          if torch.distributed.is_available() and torch.distributed.is_initialized() else (0, 1))
+            self.trace = trace_path(trace, rank, size)
+        self.profiler = None
         self.running = False
 
     def step(self, epoch, step_in_epoch):
         """Call at the start of each step."""
-        if not self.enabled or epoch != self.epoch:
+        if not (self.enabled or self.trace) or epoch != self.epoch:
             return
         if step_in_epoch == 0 and not self.running:
-            torch.cuda.profiler.start()
-            torch.cuda.nvtx.range_push("PROFILE")
-            self.running = True
+            self._start()
         elif self.running and self.num_iters is not None and step_in_epoch >= self.num_iters:
             self.end_epoch()
+        elif self.profiler is not None:
+            self.profiler.step()  # the next ProfilerStep#N range begins
+
+    def _start(self):
+        global _tracing
+        if self.trace:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            _tracing = True
+        if self.enabled:
+            torch.cuda.profiler.start()
+            torch.cuda.nvtx.range_push("PROFILE")
+        self.running = True
 
     def end_epoch(self):
-        if self.running:
-            torch.cuda.synchronize()
+        global _tracing
+        if not self.running:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the window's kernels end inside it
+        if self.enabled:
             torch.cuda.nvtx.range_pop()
             torch.cuda.profiler.stop()
-            self.running = False
+        if self.profiler is not None:
+            self.profiler.stop()
+            _tracing = False
+            self._write_trace()
+        self.running = False
+
+    def _write_trace(self):
+        """The Chrome trace, written whole or not at all (a temporary file beside it, renamed)."""
+        folder, name = os.path.split(os.path.abspath(self.trace))
+        os.makedirs(folder, exist_ok=True)
+        partial = os.path.join(folder, f".partial-{os.getpid()}-{name}")
+        try:
+            self.profiler.export_chrome_trace(partial)
+            os.replace(partial, self.trace)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        self.profiler = None
 
 
 def peak_memory_gb(device):
