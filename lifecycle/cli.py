@@ -45,7 +45,7 @@ def training_parser(description, one_process_dp=True):
     add("--parallel", type=str, default="ddp", choices=["ddp", "dp"] if one_process_dp else ["ddp"],
         help="ddp: one process per device; dp: nn.DataParallel over the node's GPUs in one process")
     add("--arch", "-a", type=str, default=None, help="torchvision architecture (ResNet stage), e.g. resnet50")
-    add("--desired_acc", type=float, default=None,
+    add("--desired_acc", "--desired-acc", type=float, default=None,
         help="stop once the validation top-1 accuracy reaches this fraction (classification)")
     add("--data_dir", type=str, default=os.environ.get("DATA_DIR"),
         help="re-root the config's /data paths here (default: $DATA_DIR)")
@@ -69,6 +69,28 @@ def training_parser(description, one_process_dp=True):
     add("--enable_manual_profiling", action="store_true",
         help="the UNet stage's profiler window: 60 steps of the 2nd epoch (--profile_epoch 1 --profile_iters 60)")
     return parser
+
+
+# the UNet stage's own flags and loaders (the SC21 tutorial's commands), each with what the ViT takes instead
+UNET_FLAGS = {"enable_amp": "--amp_mode fp16", "enable_apex": "--enable_fused",
+              "enable_manual_profiling": "--profile_epoch 1 --profile_iters 60"}
+UNET_LOADERS = {"dali-lowmem": "dali", "lowmem": "pytorch", "inmem": "pytorch"}
+
+
+def check_stage_flags(args, params):
+    """Refuse the UNet stage's own flags on a config that trains the ViT, in one line naming config/UNet.yaml: the
+    SC21 tutorial's commands name no YAML file, and train.py's default (config/ViT.yaml) would train the ViT."""
+    if params.get("model", "vit") != "vit":
+        return
+    given = [(f"--{name}", instead) for name, instead in UNET_FLAGS.items() if getattr(args, name, False)]
+    if args.data_loader_config in UNET_LOADERS:
+        given.append((f"--data_loader_config {args.data_loader_config}",
+                      f"--data_loader_config {UNET_LOADERS[args.data_loader_config]}"))
+    if given:
+        flags = ", ".join(flag for flag, _ in given[:-1]) + " and " * (len(given) > 1) + given[-1][0]
+        raise UserError(f"{flags} {'is a flag' if len(given) == 1 else 'are flags'} of the UNet stage (the SC21 "
+                        f"tutorial), but {os.path.normpath(args.yaml_config)} trains the ViT: add --yaml_config "
+                        f"config/UNet.yaml (for the ViT: {', '.join(instead for _, instead in given)})")
 
 
 def model_parallel_parser(description):

@@ -27,7 +27,7 @@ from lifecycle.checkpoint import (
     save_checkpoint,
     set_rng_states,
 )
-from lifecycle.cli import apply_overrides
+from lifecycle.cli import apply_overrides, check_stage_flags
 from lifecycle.run_lock import RunDirectoryLock
 from utils import comm
 from utils.errors import UserError, register_cleanup
@@ -36,11 +36,30 @@ from utils.YParams import YParams
 
 
 def load_config(args):
-    """Console logging, the launcher's local rank, and the named config of the YAML file."""
+    """Console logging, the launcher's local rank, and the named config of the YAML file; the UNet stage's flags on
+    a ViT config refused; the run's first log line (rank 0; out.log begins with it too)."""
     config_logger()
     if args.local_rank is not None and "LOCAL_RANK" not in os.environ:  # torch.distributed.launch's --local-rank
         os.environ["LOCAL_RANK"] = str(args.local_rank)
-    return YParams(args.yaml_config, args.config)
+    params = YParams(args.yaml_config, args.config)
+    check_stage_flags(args, params)
+    if getattr(args, "dry_run", None) is None:  # a dry run's first line is its own (utils/comm.py)
+        logging.info(first_line(args, params))
+    return params
+
+
+MODEL_NAMES = {"vit": "ViT", "unet": "UNet", "resnet": "ResNet"}
+
+
+def first_line(args, params):
+    """What the run trains, from which file and config: 'Training ViT: config/ViT.yaml, config short'."""
+    model = params.get("model", "vit")
+    name = MODEL_NAMES.get(model, model)
+    if model == "resnet":
+        name += f" ({args.arch or params.get('arch')})"  # the torchvision architecture
+    benchy = args.enable_benchy if args.enable_benchy is not None else params.get("enable_benchy")
+    return (f"{'Benchmarking' if benchy else 'Training'} {name}: {os.path.normpath(args.yaml_config)}, "
+            f"config {args.config}")
 
 
 @dataclass

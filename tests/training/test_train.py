@@ -2,6 +2,7 @@
 
 A failure here points to train.py or the seams it calls (lifecycle/cli.py, loaders/, task/optim.py).
 """
+import importlib
 import os
 import re
 
@@ -10,7 +11,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from lifecycle.cli import model_parallel_parser, training_parser
+from lifecycle.run import first_line
 from tests.conftest import REPO_ROOT, run_command
+from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
@@ -51,6 +55,45 @@ def test_log_lines_match_the_tutorial(tiny_run):
     assert "Configuration name: tiny" in log and "amp_dtype torch.float32" in log
     assert "Number of parameters: 47,008" in log
     assert re.search(line_start + "DONE ---- rank 0$", log, re.M)
+
+
+@pytest.mark.parametrize("script", ["train", "train_graph", "train_mp", "train_mp_graphs"])
+def test_the_first_log_line_names_the_model_the_yaml_file_and_the_config(script, era5_dir, tmp_path, capsys):
+    """Every script's first log line, on the console and at the top of out.log, says what trains from which file
+    (a tutorial's command that picked the ViT by default shows it at once). On this CPU the graph scripts stop at
+    their check for CUDA, after the run directory opened."""
+    argv = ["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", "1"]
+    try:
+        importlib.import_module(script).main(argv)
+    except SystemExit as stop:
+        assert "graph" in script and stop.code == 2
+    console = [line for line in capsys.readouterr().err.splitlines() if " - root - " in line]
+    assert console[0].endswith(" - root - INFO - Training ViT: config/ViT.yaml, config tiny"), console[:3]
+    run_dir = os.path.join(str(tmp_path), "tiny", "1MP" if "_mp" in script else "1GPU", "00")
+    with open(os.path.join(run_dir, "out.log")) as log_file:
+        out_log = log_file.read().splitlines()
+    assert out_log[:2] == console[:2]  # out.log begins as the console does, "Setting DP = 1, ..." included
+    assert "Setting DP = 1" in out_log[1]
+
+
+@pytest.mark.parametrize("yaml_file, config, flags, line", [
+    ("config/ViT.yaml", "short", [], "Training ViT: config/ViT.yaml, config short"),
+    ("./config/UNet.yaml", "bs64_opt", [], "Training UNet: config/UNet.yaml, config bs64_opt"),
+    ("config/ResNet50.yaml", "bs128", [], "Training ResNet (resnet50): config/ResNet50.yaml, config bs128"),
+    ("config/ResNet50.yaml", "demo", ["--arch", "resnet34"], "Training ResNet (resnet34): config/ResNet50.yaml, "
+                                                             "config demo"),
+    ("config/UNet.yaml", "short", ["--enable_benchy"], "Benchmarking UNet: config/UNet.yaml, config short"),
+])
+def test_the_first_line_of_each_stage(yaml_file, config, flags, line):
+    args = training_parser("t").parse_args(["--yaml_config", yaml_file, "--config", config, *flags])
+    assert first_line(args, YParams(yaml_file, config)) == line
+
+
+def test_the_original_hyphenated_desired_acc_is_an_alias():
+    """The ImageNet example's --desired-acc is the same flag as --desired_acc (in every script's parser)."""
+    for parser in (training_parser("t"), model_parallel_parser("t")):
+        assert parser.parse_args(["--desired-acc", "0.75"]).desired_acc == 0.75
+        assert parser.parse_args(["--desired_acc", "0.5"]).desired_acc == 0.5
 
 
 @pytest.mark.multiprocess
@@ -128,8 +171,12 @@ def write_yaml(tmp_path, **changes):
     ("heads", "embed_dim 190 is not divisible by num_heads 6"),
     ("num_iters", "num_iters is 0; it must be at least 1"),
     ("amp_mode", "argument --amp_mode: invalid choice: 'fp8'"),
-    ("dali", "data_loader_config 'dali-lowmem' is the cosmology boxes' DALI loader .*; for ERA5 choose one of: "
-             "pytorch, dali"),
+    ("dali", "--data_loader_config dali-lowmem is a flag of the UNet stage .*: add --yaml_config config/UNet.yaml "
+             r"\(for the ViT: --data_loader_config dali\)"),
+    ("dali_yaml", "data_loader_config 'dali-lowmem' is the cosmology boxes' DALI loader .*; for ERA5 choose one of: "
+                  "pytorch, dali"),
+    ("unet_flags", "--enable_apex, --enable_manual_profiling and --data_loader_config lowmem are flags of the UNet "
+                   "stage"),
     ("batch", "has 256 samples, fewer than one global batch of 512"),
     ("sdpa_cpu", "--sdpa_backend cudnn is a CUDA kernel; on the CPU use auto, flash or math"),
     ("sdpa_yaml", "sdpa_backend 'fast' is unknown; choose one of: auto, cudnn, flash, efficient, math"),
@@ -147,6 +194,8 @@ def test_bad_input_is_one_clear_line(era5_dir, tmp_path, capsys, case, message):
         "num_iters": ["--num_iters", "0"],
         "amp_mode": ["--amp_mode", "fp8"],
         "dali": ["--data_loader_config", "dali-lowmem"],
+        "dali_yaml": ["--yaml_config", write_yaml(tmp_path, data_loader_config="dali-lowmem"), "--config", "bad"],
+        "unet_flags": ["--enable_apex", "--enable_manual_profiling", "--data_loader_config", "lowmem"],
         "batch": ["--local_batch_size", "512"],
         "sdpa_cpu": ["--sdpa_backend", "cudnn"],
         "sdpa_yaml": ["--yaml_config", write_yaml(tmp_path, sdpa_backend="fast"), "--config", "bad"],

@@ -123,7 +123,7 @@ def test_two_ranks_match_one_process(cifar_dir, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--arch", "resnet_nope"], "arch 'resnet_nope' is not a torchvision classification model"),
     (["--data_dir", "/nowhere"], "CIFAR-100 not found in '/nowhere'; generate sample data with"),
-    (["--parallel", "dp", "--desired_acc", "x"], "argument --desired_acc: invalid float value"),
+    (["--parallel", "dp", "--desired_acc", "x"], "argument --desired_acc/--desired-acc: invalid float value"),
 ])
 def test_bad_input_is_one_clear_line(cifar_dir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

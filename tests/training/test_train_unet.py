@@ -66,6 +66,25 @@ def test_original_flags_are_aliases():
         overridden("short", ["--enable_benchy", "--enable_manual_profiling"])
 
 
+SC21_REFUSAL = ("error: --enable_amp is a flag of the UNet stage (the SC21 tutorial), but config/ViT.yaml trains the "
+                "ViT: add --yaml_config config/UNet.yaml (for the ViT: --amp_mode fp16)")
+
+
+@pytest.mark.multiprocess
+def test_an_sc21_command_as_written_stops_in_one_line_and_trains_the_unet_with_its_yaml(cosmo_dir, tmp_path):
+    """SC21's command names no YAML file, and train.py's default is config/ViT.yaml: its UNet flag stops the run in
+    one line naming config/UNet.yaml, before any data or run directory (no ViT trains). Twin: with that file and
+    the `tiny` config, the same flags train the UNet, with AMP on."""
+    result = run_command(["train.py", "--config=short", "--num_epochs", "3", "--enable_amp"])  # as SC21 wrote it
+    assert result.returncode == 2 and result.stderr.splitlines() == [SC21_REFUSAL], result.stderr[-2000:]
+    twin = run_command(["train.py", "--yaml_config", "config/UNet.yaml", "--config=tiny", "--num_epochs", "1",
+                        "--enable_amp", "--data_dir", cosmo_dir, "--expdir", str(tmp_path)])
+    assert twin.returncode == 0, twin.stderr[-2000:]
+    log = open(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "out.log")).read()
+    assert log.splitlines()[0].endswith(" - root - INFO - Training UNet: config/UNet.yaml, config tiny")
+    assert "amp_mode fp16" in log and "DONE ---- rank 0" in log
+
+
 def run_unet(cosmo_dir, expdir, *flags, config="tiny"):
     train.main(["--yaml_config", UNET_YAML, "--config", config, "--data_dir", cosmo_dir, "--expdir", str(expdir),
                 *flags])
