@@ -44,9 +44,10 @@ def original_commands():
     for number, line in enumerate(open(COMMANDS), start=1):
         if line.strip() and not line.startswith("#"):
             command, comment = line.split("  # ", 1)
-            section = re.match(r"FACTS ([AB])\d+: (verbatim|reconstructed)", comment)
+            section = re.match(r"FACTS ([AB]\d+|G\.5): (verbatim|reconstructed)", comment)
             assert section, f"line {number}: the comment must name the FACTS section and say verbatim/reconstructed"
-            commands.append(pytest.param(command.strip(), section.group(1), id=f"line{number}"))
+            stage = "B" if section.group(1).startswith("B") else "A"  # G.5: sc25's additions to the ViT tutorial
+            commands.append(pytest.param(command.strip(), stage, id=f"line{number}"))
     return commands
 
 
@@ -167,7 +168,7 @@ def test_original_command_builds_its_dali_loader(command, section, data_dirs, mo
     assert params.global_batch_size == ranks // (params.get("tp", 1) * params.get("cp", 1)) * params.local_batch_size
     if "--num_data_workers" in " ".join(argv):  # a flag the line gives is what the run uses
         assert params.num_data_workers == int(re.search(r"--num_data_workers[= ](\d+)", command).group(1))
-    if "--enable_amp" in argv or re.search(r"--config=(bs\d+_opt|mp)\b", command):
+    if "--enable_amp" in argv or re.search(r"--config=(bs\d+_opt|mp)(_short)?\b", command):
         assert params.amp_mode == "fp16"  # the *_opt configs really run optimised (upstream dropped their AMP)
     check_loaders(params, section)
 
@@ -176,7 +177,7 @@ def test_the_command_file_covers_both_stages_and_every_original_dali_line():
     sections = [param.values[1] for param in original_commands()]
     assert sections.count("A") >= 6 and sections.count("B") >= 5
     verbatim = [line for line in open(COMMANDS) if not line.startswith("#") and ": verbatim" in line]
-    assert len(verbatim) == 5  # FACTS' literal DALI lines: A13's three, A23's two
+    assert len(verbatim) == 8  # FACTS' literal DALI lines: A13's three, A23's two, G.5's three (sc25)
 
 
 def dali_configs():

@@ -9,12 +9,13 @@ from utils.YParams import YParams
 VIT_YAML = "config/ViT.yaml"
 ORIGINAL_CONFIGS = ["base", "short", "short_opt", "opt", "bs16_opt", "bs32_opt", "bs64_opt", "bs128_opt",
                     "bs256_opt", "bs512_opt", "bs1024_opt", "bs2048_opt", "mp", "mp_bs16", "mp_bs32", "mp_patch4"]
+SC25_CONFIGS = {"bs64_opt_short": "bs64_opt", "mp_short": "mp"}  # sc25's profiling configs and what each cuts short
 
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
-@pytest.mark.parametrize("name", ORIGINAL_CONFIGS + ["demo", "tiny"])
+@pytest.mark.parametrize("name", ORIGINAL_CONFIGS + list(SC25_CONFIGS) + ["demo", "tiny"])
 def test_every_config_loads(name):
     params = YParams(VIT_YAML, name)
     assert params.n_in_channels == 20 and params.lr > 0
@@ -32,6 +33,13 @@ def test_inheritance_through_anchors_and_merge_keys():
     assert bs == {"bs64_opt": (64, 1e-3), "bs1024_opt": (1024, 4e-3), "bs2048_opt": (2048, 5.66e-3)}
     mp, patch4 = YParams(VIT_YAML, "mp"), YParams(VIT_YAML, "mp_patch4")
     assert (mp.embed_dim, mp.global_batch_size, patch4.patch_size, patch4.embed_dim) == (1024, 64, 4, 1024)
+
+
+@pytest.mark.parametrize("name, parent", SC25_CONFIGS.items())
+def test_sc25_short_configs_are_their_parent_on_2048_samples_for_128_iterations(name, parent):
+    short, full = YParams(VIT_YAML, name).params, YParams(VIT_YAML, parent).params
+    changed = {key: short[key] for key in short if short[key] != full.get(key)}
+    assert changed == {"limit_nsamples": 2048, "limit_nsamples_val": 2048, "num_iters": 128}
 
 
 def overridden(config, flags, dp_size=1):
