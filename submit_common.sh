@@ -3,7 +3,7 @@
 # the repository root) after they set TRAINING_SCRIPT's default. It checks the job's settings, prepares the
 # environment and leaves two arrays for the script's own srun line, and one function for after it:
 #   command       python $TRAINING_SCRIPT <the sbatch arguments>, wrapped in nsys when ENABLE_PROFILING=1
-#   shifter_args  the /data and /logs mounts, and --image=$IMAGE when IMAGE is set
+#   shifter_args  the /data and /logs mounts, PYTHONUSERBASE=$LOGDIR, and --image=$IMAGE when IMAGE is set
 #   requeue_or_exit STATUS   ends the job with srun's status; on 75 it first requeues the job (docs/cluster.md)
 # Usage: source submit_common.sh "$@"
 
@@ -65,7 +65,9 @@ if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
     command=(nsys profile "${nsys_args[@]}" -o "$nsys_output" "${command[@]}")
 fi
 
-shifter_args=(-V "$DATADIR:/data" -V "$LOGDIR:/logs")
+# PYTHONUSERBASE (as sc25's scripts): Python's user site-packages inside the container resolve under LOGDIR, not
+# ~/.local, where packages installed with `pip install --user` for another Python would shadow the image's own
+shifter_args=(-V "$DATADIR:/data" -V "$LOGDIR:/logs" --env "PYTHONUSERBASE=$LOGDIR")
 if [ -n "${IMAGE:-}" ]; then
     shifter_args=(--image="$IMAGE" "${shifter_args[@]}")
 fi

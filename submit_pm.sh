@@ -22,7 +22,7 @@
 # Environment (defaults in brackets):
 #   TRAINING_SCRIPT  train.py, train_graph.py, train_mp.py or train_mp_graphs.py [train.py]
 #   DATADIR          data, mounted at /data [/pscratch/sd/s/shas1693/data/dl-at-scale-training-data]
-#   LOGDIR           mounted at /logs; profiles go here [$SCRATCH/dl-at-scale-training/logs]
+#   LOGDIR           mounted at /logs; profiles and PYTHONUSERBASE go here [$SCRATCH/dl-at-scale-training/logs]
 #   IMAGE            container image for shifter [the job's: #SBATCH --image, or sbatch --image=...]
 #   ENABLE_PROFILING=1, PROFILE_OUTPUT=name   nsys writes $LOGDIR/name[_rank<N>].nsys-rep [profile]
 #     ENABLE_PROFILING=1 PROFILE_OUTPUT=baseline sbatch -t 20 submit_pm.sh --config=short
@@ -37,8 +37,8 @@ if [ ! -f submit_common.sh ]; then
     exit 2
 fi
 # the checks, DATADIR/LOGDIR, MASTER_ADDR and nsys (ENABLE_PROFILING=1) every submit script shares; it leaves the
-# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE), and
-# requeue_or_exit for after srun
+# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, PYTHONUSERBASE,
+# IMAGE), and requeue_or_exit for after srun
 # shellcheck source=submit_common.sh
 source ./submit_common.sh "$@"
 

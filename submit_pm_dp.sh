@@ -30,8 +30,8 @@ if [ ! -f submit_common.sh ]; then
     exit 2
 fi
 # the checks, DATADIR/LOGDIR, MASTER_ADDR and nsys (ENABLE_PROFILING=1) every submit script shares; it leaves the
-# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, IMAGE), and
-# requeue_or_exit for after srun
+# arrays `command` (python $TRAINING_SCRIPT "$@", maybe under nsys) and `shifter_args` (mounts, PYTHONUSERBASE,
+# IMAGE), and requeue_or_exit for after srun
 # shellcheck source=submit_common.sh
 source ./submit_common.sh "$@"
 

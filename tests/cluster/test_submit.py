@@ -1,16 +1,17 @@
 """The Slurm layer run for real on this CPU machine: submit_pm.sh, submit_pm_dp.sh, submit_pm_mp.sh and
 export_DDP_vars.sh under stand-ins for sbatch, srun, shifter, nsys and scontrol (tests/cluster/fakebin/, first on PATH).
 
-A failure points to: arguments re-split or re-quoted on their way from sbatch to Python (spaces, quotes, `*`,
-`$`); a rank variable exported wrong (RANK, LOCAL_RANK, WORLD_SIZE; MASTER_ADDR not the first node of the job;
-MASTER_PORT); the GPU order reversed where it should not be (or not where it should); the nsys wrapper missing,
-with other options, one file for all ranks, or the CUDA-graph trace on the wrong scripts; a TRAINING_SCRIPT
-outside the four accepted, a DATADIR or LOGDIR unchecked, or a mistake ending in more than one line; a failing rank
-not failing the job; the time limit's warning (#SBATCH --signal=USR1@180) not asked for or not reaching every rank,
-a stop with a checkpoint (exit 75) not requeueing the job (requeue_or_exit in submit_common.sh), any other status
-requeued or changed, the batch shell dying on Slurm's SIGTERM before srun ends, or a requeued job's rerun not
-ending like an uninterrupted run; a submit script that no longer trains 2 gloo ranks to the end; a shellcheck
-finding. The stand-ins' own contract (FAKE_SLURM_SIGNAL_WHEN, the scontrol record) is in their docstrings.
+A failure points to: arguments re-split or re-quoted on their way from sbatch to Python (spaces, quotes, `*`, `$`);
+a rank variable exported wrong (RANK, LOCAL_RANK, WORLD_SIZE; MASTER_ADDR not the first node of the job;
+MASTER_PORT; PYTHONUSERBASE, which shifter's --env sets to LOGDIR); the GPU order reversed where it should not be
+(or not where it should); the nsys wrapper missing, with other options, one file for all ranks, or the CUDA-graph
+trace on the wrong scripts; a TRAINING_SCRIPT outside the four accepted, a DATADIR or LOGDIR unchecked, or a mistake
+ending in more than one line; a failing rank not failing the job; the time limit's warning (#SBATCH
+--signal=USR1@180) not asked for or not reaching every rank, a stop with a checkpoint (exit 75) not requeueing the
+job (requeue_or_exit in submit_common.sh), any other status requeued or changed, the batch shell dying on Slurm's
+SIGTERM before srun ends, or a requeued job's rerun not ending like an uninterrupted run; a submit script that no
+longer trains 2 gloo ranks to the end; a shellcheck finding. The stand-ins' own contract (FAKE_SLURM_SIGNAL_WHEN,
+the scontrol record) is in their docstrings.
 """
 import json
 import os
@@ -36,7 +37,7 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_P
 # rank's handlers are in place, a text FAKE_SLURM_SIGNAL_WHEN can wait for
 STUB = """import json, os, signal, sys, time
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-         "HDF5_USE_FILE_LOCKING", "FI_MR_CACHE_MONITOR", "NSYS_NVTX_PROFILER_REGISTER_ONLY")
+         "HDF5_USE_FILE_LOCKING", "FI_MR_CACHE_MONITOR", "NSYS_NVTX_PROFILER_REGISTER_ONLY", "PYTHONUSERBASE")
 out_dir, rank, received = os.environ["STUB_OUT"], os.environ["RANK"], []
 if os.environ.get("STUB_WAIT_FOR_SIGNAL"):
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
@@ -130,8 +131,11 @@ def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkou
                               "MASTER_ADDR": "localhost", "MASTER_PORT": env["MASTER_PORT"],
                               "CUDA_VISIBLE_DEVICES": "", "HDF5_USE_FILE_LOCKING": "FALSE",
                               # the NCCL network plugin's setting, in every script (submit_pm_mp.sh lacked it)
-                              "FI_MR_CACHE_MONITOR": "userfaultfd", "NSYS_NVTX_PROFILER_REGISTER_ONLY": None}
-        assert record(tmp_path, "shifter", rank) == [f"-V={env['DATADIR']}:/data", f"-V={env['LOGDIR']}:/logs"]
+                              "FI_MR_CACHE_MONITOR": "userfaultfd", "NSYS_NVTX_PROFILER_REGISTER_ONLY": None,
+                              # user site-packages under LOGDIR, not ~/.local (sc25's scripts)
+                              "PYTHONUSERBASE": env["LOGDIR"]}
+        assert record(tmp_path, "shifter", rank) == [f"-V={env['DATADIR']}:/data", f"-V={env['LOGDIR']}:/logs",
+                                                     f"--env=PYTHONUSERBASE={env['LOGDIR']}"]
         assert record(tmp_path, "nsys", rank) is None  # no profiling unless asked
 
 
