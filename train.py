@@ -149,8 +149,8 @@ def main(argv=None):
 
             val_means = None
             if milestones.epoch_ends(iters):  # the epoch's report, then validation
-                profiler_window.end_epoch()
                 train_means = log_training_epoch(run, meter, iters, optimizer, flops_per_sample / num_devices, peak)
+                profiler_window.end_epoch()  # after the epoch's report: writing a trace is not timed
                 val_means, val_batch, val_seconds = validate(model, valid_loader, to_device, loss_fn, metrics_fn,
                                                              autocast)
                 log_validation(run, iters, val_means, val_batch, val_seconds, train_means)

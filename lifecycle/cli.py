@@ -58,6 +58,10 @@ def training_parser(description, one_process_dp=True):
         help="stop after this iteration, checkpointed, as if the job hit its time limit")
     add("--profile_epoch", type=int, default=3, help="0-based epoch of the cudaProfilerApi window")
     add("--profile_iters", type=int, default=None, help="iterations in the profiler window (default: the epoch)")
+    add("--torch_profile", type=str, default=None, metavar="PATH",
+        help="also record the profiler window with torch.profiler (any device, no Nsight needed) and write its "
+             "Chrome trace to PATH (.json.gz: gzipped; one file a rank, .rankR added); reduce and draw it with "
+             "python -m benchmarks.step_profile")
     add("--enable_benchy", action=argparse.BooleanOptionalAction, default=None,
         help="throughput benchmark (IO, SYNTHETIC, FULL) instead of training; JSON to $BENCHY_OUTPUT.json")
     add("--benchy_nbatches", type=int, default=None, help="batches per benchmark trial (default 50)")
