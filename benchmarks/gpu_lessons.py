@@ -15,7 +15,6 @@ Everything lands under DIR: `data/` (the sample data: ERA5 at 360 x 720, four tr
 directories), `profiles/` (the traces), `lessons.json` (what ran, how long, how it ended) and, with `--pack`, one
 archive of the logs, events and traces (checkpoints and data left out).
 """
-import json
 import multiprocessing
 import os
 import shutil

@@ -1,6 +1,7 @@
 """Where a training step's time goes: a profile reduced to a table of milliseconds per step, and drawn as a timeline.
 
-    python -m benchmarks.step_profile TRACE [--out table.json] [--figure timeline.png] [--title "..."]
+    python -m benchmarks.step_profile TRACE [--out table.json] [--figure timeline.png] [--title "..."] [--skip N]
+    python -m benchmarks.step_profile --committed     # make profile-figures: example_logs/profiles -> JSON, figures
 
 TRACE is a torch.profiler Chrome trace (`train.py ... --torch_profile run.json.gz`, .json or .json.gz) or an Nsight
 Systems report exported to SQLite (`nsys export --type sqlite run.nsys-rep`, where nsys exists). The steps are the
@@ -214,6 +215,22 @@ def union_length(intervals, lo, hi):
     return total
 
 
+def _operator_time(level, context, lo, hi, parts, busy):
+    """On a CPU: each operator's own time inside [lo, hi] (less its child operators') into its part, the operators'
+    intervals into `busy`; the loader's ranges count as work (its Python runs on the training thread)."""
+    def works(s):
+        return s.kind == "op" or bool(LOADER.search(s.name))
+
+    for s in level:
+        inner = context + [s.name]
+        if works(s) and s.end > lo and s.start < hi:
+            own = (min(s.end, hi) - max(s.start, lo)) - sum(
+                min(c.end, hi) - max(c.start, lo) for c in s.children if works(c) and c.end > lo and c.start < hi)
+            parts[classify(s.name, inner, "op")] += max(own, 0.0)
+            busy.append((s.start, s.end))
+        _operator_time(s.children, inner, lo, hi, parts, busy)
+
+
 def reduce_trace(trace, skip=0):
     """The table: milliseconds per step in each part, idle, overlap, and what the window was."""
     steps = steps_of(trace, skip)
@@ -234,19 +251,8 @@ def reduce_trace(trace, skip=0):
             parts[classify(s.name, context, s.kind)] += min(s.end, hi) - max(s.start, lo)
             busy.append((s.start, s.end))
     else:
-        for track, roots in forest.items():
-            def walk(level, context):
-                for s in level:
-                    inner = context + [s.name]
-                    if s.kind == "op" or LOADER.search(s.name):  # the loader's Python is work on a CPU too
-                        own = (min(s.end, hi) - max(s.start, lo)) - sum(
-                            min(c.end, hi) - max(c.start, lo) for c in s.children
-                            if (c.kind == "op" or LOADER.search(c.name)) and c.end > lo and c.start < hi)
-                        if s.end > lo and s.start < hi:
-                            parts[classify(s.name, inner, "op")] += max(own, 0.0)
-                            busy.append((s.start, s.end))
-                    walk(s.children, inner)
-            walk(roots, [])
+        for roots in forest.values():
+            _operator_time(roots, [], lo, hi, parts, busy)
     window = hi - lo
     busy_union = union_length(busy, lo, hi)
     n = len(steps)
@@ -320,8 +326,10 @@ def draw(trace, out, title, max_steps=3):
                     leaves(c, context + [s.name])
             leaves(root, [])
         rows.append(("CPU operators", ops))
+    rows = [(label, [(max(a, lo), min(b, hi), c, name) for a, b, c, name in bars if b > lo and a < hi])
+            for label, bars in rows]  # clipped to the window drawn
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * len(rows)), dpi=100)
-    for y, (label, bars) in enumerate(reversed(rows)):
+    for y, (_, bars) in enumerate(reversed(rows)):
         ax.broken_barh([((a - lo) / 1e3, max((b - a) / 1e3, 1e-3)) for a, b, _, _ in bars], (y - 0.4, 0.8),
                        facecolors=[c for _, _, c, _ in bars], linewidth=0)
         for a, b, _, name in bars:
@@ -339,16 +347,52 @@ def draw(trace, out, title, max_steps=3):
     plt.close(fig)
 
 
+# the profiles committed under example_logs/profiles (benchmarks/gpu_lessons.py on one H100, 2026-11-27):
+# name -> (what was run, warm-up steps left out of the table)
+COMMITTED = {
+    "vit_baseline": ("ViT short: baseline (fp32, 0 loader workers)", 3),
+    "vit_nw8": ("ViT short: 8 loader workers (fp32)", 3),
+    "vit_nw8_bf16": ("ViT short: bf16, 8 workers", 0),
+    "vit_nw8_bf16_fused_jit": ("ViT short: bf16 + fused Adam + torch.compile, 8 workers", 0),
+    "unet_baseline": ("UNet short: baseline (fp32, 2 loader workers)", 0),
+}
+PROFILES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example_logs", "profiles")
+MACHINE = "H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27"
+
+
+def committed(out, figures):
+    """The committed profiles reduced into one JSON and drawn into `figures` (profile_<name>.png)."""
+    tables = {}
+    for name, (what, skip) in COMMITTED.items():
+        path = os.path.join(PROFILES_DIR, f"{name}.json.gz")
+        trace = read_trace(path)
+        tables[name] = {"what": what, **reduce_trace(trace, skip)}
+        if figures:
+            draw(trace, os.path.join(figures, f"profile_{name}.png"), f"{what}: {MACHINE}")
+        print(f"{name}: {tables[name]['step_ms']} ms a step, {tables[name]['ms_per_step']}")
+    write_json(out, {"machine": MACHINE, "made_by": "benchmarks/gpu_lessons.py (the runs' commands are in "
+                     "bench_results/gpu/lessons/), reduced by python -m benchmarks.step_profile --committed",
+                     "profiles": tables})
+    return tables
+
+
 @exit_on_user_error
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="torch.profiler Chrome trace (.json, .json.gz) or nsys SQLite export")
+    parser.add_argument("trace", nargs="?", help="torch.profiler Chrome trace (.json, .json.gz) or nsys SQLite export")
+    parser.add_argument("--committed", action="store_true",
+                        help="reduce and draw the profiles in example_logs/profiles (default --out "
+                             "bench_results/gpu/step_profiles.json, figures in tutorial_images/)")
     parser.add_argument("--out", help="the table as JSON here (default: printed only)")
     parser.add_argument("--figure", help="the timeline of the last steps as a PNG here")
     parser.add_argument("--title", default=None, help="the figure's title (default: the trace's name and device)")
     parser.add_argument("--figure_steps", type=int, default=3, help="steps drawn (default 3)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N steps (warm-up) of the table")
     args = parser.parse_args(argv)
+    if args.committed:
+        return committed(args.out or "bench_results/gpu/step_profiles.json", args.figure or "tutorial_images")
+    if not args.trace:
+        parser.error("give a trace, or --committed")
     trace = read_trace(args.trace)
     table = reduce_trace(trace, args.skip)
     print(f"{table['trace']} ({table['device']}): {table['steps']} steps, {table['step_ms']} ms a step")
