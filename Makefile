@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run plan example-logs figures clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run plan example-logs figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -120,6 +120,15 @@ example-logs: install $(DATA_DIR)/stats/global_stds.npy $(COSMO_DIR)/downsamp_10
 # tutorial_images/*.png from example_logs/ and bench_results/ (no new measurements)
 figures: install
 	$(PY) -m benchmarks.figures --logs example_logs --bench bench_results --out tutorial_images
+
+# the committed step profiles (example_logs/profiles/, one H100) reduced into bench_results/gpu/step_profiles.json and
+# drawn into tutorial_images/profile_*.png (no new measurements)
+profile-figures: install
+	$(PY) -m benchmarks.step_profile --committed --out bench_results/gpu/step_profiles.json --figure tutorial_images
+
+# on a GPU node: the lessons' example runs and step profiles (about 8 minutes), packed into bench_results/gpu/lessons/
+gpu-lessons: install
+	bash benchmarks/gpu_session.sh bench_results/gpu/lessons --lessons
 
 clean:
 	rm -rf logs __pycache__ */__pycache__ .pytest_cache

@@ -168,8 +168,43 @@ def read_manifest(path):
     return {run["name"]: {**shared, **run} for run in manifest.get("runs", [])}
 
 
-def readme(runs):
-    """example_logs/README.md: how, when and on what the runs (records of runs.json) were made."""
+def read_gpu_manifest(out):
+    """The GPU runs' records (<out>/gpu_runs.json, written with the runs of benchmarks/gpu_lessons.py), or []."""
+    path = os.path.join(out, "gpu_runs.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)["runs"]
+
+
+def gpu_section(runs):
+    """README lines on the GPU runs: the lessons as an attendee runs them, to compare against."""
+    if not runs:
+        return []
+    lines = [
+        "## On a GPU: the lessons' own runs",
+        "",
+        "Runs of the tutorial's single-GPU commands on the cluster-sized sample data, made on a GPU node by",
+        "`bash benchmarks/gpu_session.sh DIR --lessons` (benchmarks/gpu_lessons.py), which writes ERA5 at 360 x 720",
+        "with the 512 training and 128 validation samples `short` reads (32 steps an epoch, as on the cluster) and",
+        "cosmology boxes of 128^3. Their epochs compare with yours; their losses are those of the sample data.",
+        "The last epoch held the profiled steps (`--torch_profile`; the traces are in `profiles/`) and, in these",
+        "runs, the writing of the trace: the ViT's last epoch is slower than the ones before it (the scripts now",
+        "write the trace after the epoch's report).",
+        "",
+        "| run directory | what | machine | result |",
+        "|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(f"| `{run['run_dir']}` | {run['what']} | {run['machine']}, torch {run['torch']}, {run['date']} | "
+                     f"{run['summary']} |")
+    lines += ["", "```bash", *[run["command"] for run in runs], "```", ""]
+    return lines
+
+
+def readme(runs, gpu_runs=()):
+    """example_logs/README.md: how, when and on what the runs (records of runs.json, and of gpu_runs.json) were
+    made."""
     dates = sorted(run["date"] for run in runs)
     code = set()
     for run in runs:
@@ -207,11 +242,12 @@ def readme(runs):
         "batch size. Ranks share the machine's cores, so the wall times show no speed-up beyond the core count;",
         "the machine may also have been busy with other work, so treat the times as rough.",
         "",
+        *gpu_section(list(gpu_runs)),
         "To look at them in TensorBoard, copy a stage into your log directory and start TensorBoard there",
         "(`start_tensorboard.ipynb`, or `tensorboard --logdir`):",
         "",
         "```bash",
-        "cp -r ./example_logs/vit $SCRATCH/dl-at-scale-training/logs",
+        "cp -r ./example_logs/vit $SCRATCH/dl-at-scale-training/logs    # the GPU runs are under vit/short/",
         "tensorboard --logdir example_logs    # or directly, on a workstation",
         "```",
         "",
@@ -243,7 +279,8 @@ def main(argv=None):
     if args.readme_only:
         if not previous:
             raise UserError(f"{manifest_path} is missing; make the example logs first (make example-logs)")
-        write_bytes(os.path.join(out, "README.md"), readme([previous[name] for name in RUNS if name in previous]))
+        write_bytes(os.path.join(out, "README.md"), readme([previous[name] for name in RUNS if name in previous],
+                                                           read_gpu_manifest(out)))
         print(f"[example_logs] wrote {os.path.relpath(out)}/README.md from runs.json")
         return
     for kind in dict.fromkeys(RUNS[name][2] for name in names):
@@ -253,7 +290,7 @@ def main(argv=None):
     made = {name: run_one(name, out, data_dirs, {"commit": commit, "dirty": dirty}) for name in names}
     runs = [made.get(name) or previous[name] for name in RUNS if name in made or name in previous]
     write_json(manifest_path, {"runs": runs})
-    write_bytes(os.path.join(out, "README.md"), readme(runs))
+    write_bytes(os.path.join(out, "README.md"), readme(runs, read_gpu_manifest(out)))
     print(f"[example_logs] done in {time.time() - start:.0f} s; wrote {os.path.relpath(out)}/runs.json and README.md")
 
 

@@ -169,3 +169,35 @@ def test_committed_example_logs_are_whole_runs():
         assert "DONE ---- rank 0" in log, name
         last_val = float(re.findall(r"Avg val loss=(\S+)", log)[-1])
         assert figures.read_scalars(run_dir)["Loss/valid"].values[-1] == pytest.approx(last_val, rel=1e-6), name
+
+
+def test_committed_gpu_example_runs_are_whole_runs():
+    """Each GPU run in example_logs/gpu_runs.json finished (DONE in out.log), kept no checkpoint, stays small, has its
+    profile, is listed in example_logs/README.md with its command, its summary's rates and loss are its out.log's,
+    and its out.log's last validation loss is the last Loss/valid point of its events. Twin: a summary with another
+    rate is not the log's."""
+    from benchmarks.example_logs import read_gpu_manifest
+    runs = read_gpu_manifest("example_logs")
+    assert {run["name"] for run in runs} == {"vit-short-bf16", "vit-short-bf16-fused-jit", "unet-short"}
+    with open(os.path.join("example_logs", "README.md")) as f:
+        readme = f.read()
+
+    def summary_from(log):
+        rates = ", ".join(f"{float(r):.1f}" for r in re.findall(r"avg ([\d.]+) samples/sec", log))
+        loss = float(re.findall(r"Avg val loss=(\S+)", log)[-1])
+        return f"epochs at {rates} samples/s; final validation loss {loss:.4f}"
+
+    for run in runs:
+        run_dir = os.path.join("example_logs", run["run_dir"])
+        assert f"`{run['run_dir']}`" in readme and run["command"] in readme, run["name"]
+        assert os.path.isfile(os.path.join("example_logs", run["profile"])), run["name"]
+        files = [os.path.join(folder, file) for folder, _, names in os.walk(run_dir) for file in names]
+        assert not any("checkpoints" in path or path.endswith(".pt") for path in files), run["name"]
+        assert sum(os.path.getsize(path) for path in files) < 2_000_000, run["name"]
+        with open(os.path.join(run_dir, "out.log")) as f:
+            log = f.read()
+        assert "DONE ---- rank 0" in log and run["machine"].startswith("NVIDIA"), run["name"]
+        assert run["summary"] == summary_from(log), run["name"]
+        assert summary_from(log.replace("avg 1", "avg 2", 1)) != run["summary"], run["name"]
+        last_val = float(re.findall(r"Avg val loss=(\S+)", log)[-1])
+        assert figures.read_scalars(run_dir)["Loss/valid"].values[-1] == pytest.approx(last_val, rel=1e-6), run["name"]

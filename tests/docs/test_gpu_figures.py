@@ -1,6 +1,7 @@
 """README's GPU figures are the committed GPU runs' JSON (bench_results/gpu/), number for number: the single-GPU
-table, each change to the step, the attention kernels, the UNet and ResNet rates and the dry runs. docs/benchmarks.md
-holds `make gpu-table`'s own table of the same run. Twin: a changed number in the JSON is named as a mismatch."""
+table, the attention kernels, the UNet and ResNet rates, the dry runs and the step profiles (step_profiles.json);
+docs/benchmarks.md holds `make gpu-table`'s own table of the same run and each change to the step. Twin: a changed
+number in the JSON is named as a mismatch."""
 import copy
 import json
 from pathlib import Path
@@ -17,12 +18,18 @@ VIT_ROWS = {  # README's label -> the gpu-table row
     "`--amp_mode bf16 --enable_fused --enable_jit`": "vit_fused_compile",
     "`train_graph.py --amp_mode bf16 --enable_fused`": "vit_graphs",
 }
-LEVERS = {  # README's label start -> (before: (part, variant), after: (part, variant))
-    "| tokens contiguous after the patch embedding": (("step_alone_ms", "tokens_transposed"), ("step_alone_ms", "now")),
-    "| the next batch (664 MB) copied on a copy stream": (("with_loader_ms", "copy_on_compute_stream"),
-                                                          ("with_loader_ms", "now")),
-    "| loader requests run on across epoch boundaries": (("with_loader_ms", "loader_restarted_each_epoch"),
-                                                         ("with_loader_ms", "now")),
+LEVERS = {  # docs/benchmarks.md's row -> (step alone variant or None, with the loader variant)
+    "| as the code is now |": ("now", "now"),
+    "| tokens as the transposed view they were |": ("tokens_transposed", "tokens_transposed"),
+    "| the batch copied on the compute stream |": (None, "copy_on_compute_stream"),
+    "| loader restarted (after a device-wide sync) at each epoch |": (None, "loader_restarted_each_epoch"),
+}
+PROFILE_ROWS = {  # README's profile table label -> the profile in step_profiles.json
+    "ViT fp32, 0 workers": "vit_baseline",
+    "ViT fp32, 8 workers": "vit_nw8",
+    "ViT bf16, 8 workers": "vit_nw8_bf16",
+    "ViT bf16 + fused + compile": "vit_nw8_bf16_fused_jit",
+    "UNet fp32, 2 workers": "unet_baseline",
 }
 DRY_RUN_ROWS = {"| tp=1 dp=4 |": "tp=1 dp=4 (", "| tp=4 dp=4 |": "tp=4 dp=4 ("}
 
@@ -54,12 +61,7 @@ def mismatches(readme, table, dry):
         check(f"{name} FULL", row[1], f"{rows[name]['FULL']['mean']:.1f}")
         check(f"{name} SYNTHETIC", row[2], f"{rows[name]['SYNTHETIC']['mean']:.1f}")
         check(f"{name} peak", row[3], f"{rows[name]['peak_memory_gb']:.1f} GB")
-    levers = table["levers"]
-    for start, ((before_part, before), (after_part, after)) in LEVERS.items():
-        row = cells(readme, start)
-        check(f"{start} before", row[1], f"{levers[before_part][before]:.1f}")
-        check(f"{start} after", row[2], f"{levers[after_part][after]:.1f}")
-    attention = levers["attention_ms"]
+    attention = table["levers"]["attention_ms"]
     check_said("attention auto", f"{attention['auto']:.1f} ms with cuDNN's")
     check_said("attention flash", f"{attention['flash']:.1f} with FlashAttention-2")
     check_said("attention efficient", f"{attention['efficient']:.1f} memory-efficient")
@@ -80,6 +82,48 @@ def mismatches(readme, table, dry):
         check(f"{start} peak", row[3], f"{result['peak_memory_gb']:.1f} / "
                                        f"{result['predicted']['peak_memory_gb']:.1f} GB")
     return found
+
+
+def lever_mismatches(docs, table):
+    """Each change to the step in docs/benchmarks.md that is not the JSON's."""
+    found, levers = [], table["levers"]
+    for start, (alone, loader) in LEVERS.items():
+        row = cells(docs, start)
+        said = [row[1], row[2]]
+        value = [f"{levers['step_alone_ms'][alone]:.1f}" if alone else "",
+                 f"{levers['with_loader_ms'][loader]:.1f}"]
+        if said != value:
+            found.append(f"{start}: docs say {said}, the JSON {value}")
+    return found
+
+
+def profile_mismatches(readme, profiles):
+    """Each number of README's table of step profiles that is not step_profiles.json's."""
+    found = []
+    for label, name in PROFILE_ROWS.items():
+        row = cells(readme, f"| {label} |")
+        ms = profiles["profiles"][name]["ms_per_step"]
+        value = [f"{ms['attention']:.1f}", f"{ms['gemm']:.1f}", f"{ms['norm_elementwise']:.1f}",
+                 f"{ms['optimizer']:.1f}", f"{ms['copies']:.1f} ({ms['overlap']:.1f})", f"{ms['idle']:.1f}",
+                 f"{profiles['profiles'][name]['step_ms']:.1f}"]
+        if row[1:] != value:
+            found.append(f"{name}: README says {row[1:]}, the JSON {value}")
+    return found
+
+
+def load_profiles():
+    return json.loads((GPU / "step_profiles.json").read_text())
+
+
+def test_readme_profile_table_is_the_committed_profiles():
+    profiles = load_profiles()
+    assert profiles["machine"] == "H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27"
+    readme = (ROOT / "README.md").read_text()
+    assert "one H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27" in " ".join(readme.split())
+    assert profile_mismatches(readme, profiles) == []
+    changed = copy.deepcopy(profiles)
+    changed["profiles"]["vit_nw8_bf16"]["ms_per_step"]["idle"] += 0.1
+    assert [line.split(":")[0] for line in profile_mismatches(readme, changed)] == ["vit_nw8_bf16"]
 
 
 def load():
@@ -105,8 +149,10 @@ def test_a_changed_number_is_a_mismatch():
     changed_dry = copy.deepcopy(dry)
     changed_dry["rows"][1]["saved_activations"] += 10 ** 7
     found = mismatches(readme, changed, changed_dry)
-    assert [line.split(":")[0] for line in found] == ["vit_bf16 FULL", "| loader requests run on across epoch "
-                                                      "boundaries before", "| tp=4 dp=4 | saved"], found
+    assert [line.split(":")[0] for line in found] == ["vit_bf16 FULL", "| tp=4 dp=4 | saved"], found
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert [line.split(":")[0] for line in lever_mismatches(docs, changed)] == [
+        "| loader restarted (after a device-wide sync) at each epoch |"]
     assert mismatches(readme.replace("167.6", "167.7"), table, dry) == [
         "vit_fused_compile FULL: README says '167.7', the JSON '167.6'"]
 
@@ -117,5 +163,6 @@ def test_docs_benchmarks_hold_the_tables_own_rendering():
     _, table, _ = load()
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
     assert gpu_table.table(table) in docs
+    assert lever_mismatches(docs, table) == []
     assert all(target["met"] for target in table["targets"].values()), table["targets"]
     assert gpu_table.check_targets(table["rows"]) == table["targets"]
