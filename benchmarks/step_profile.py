@@ -81,9 +81,12 @@ def read_trace(path):
     try:
         with opener(path, "rt") as f:
             data = json.load(f)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError) as err:  # EOFError: a gzip file cut short
         raise UserError(f"{path} is not a readable Chrome trace ({err}); give the file --torch_profile wrote") from None
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise UserError(f"{path} is JSON but not a Chrome trace (no list of traceEvents); give the file "
+                        "--torch_profile wrote")
     spans = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -108,7 +111,12 @@ def read_trace(path):
 def read_nsys_sqlite(path):
     """A Trace from `nsys export --type sqlite`: CUPTI kernels, copies and runtime calls, NVTX ranges (ns -> us)."""
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    try:
+        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as err:
+        con.close()
+        raise UserError(f"{path} is not an SQLite database ({err}); give the file `nsys export --type sqlite` "
+                        "wrote") from None
     strings = dict(con.execute("SELECT id, value FROM StringIds")) if "StringIds" in tables else {}
     spans = []
 
