@@ -147,7 +147,9 @@ def read_nsys_sqlite(path):
 def steps_of(trace, skip=0):
     """The step ranges, in time order (the loop's `step N`, else torch.profiler's ProfilerStep#N), less the first
     `skip` (warm-up steps recorded with the rest)."""
-    steps = [s for s in trace.host() if s.kind == "range" and STEP.match(s.name)]
+    ranges = [s for s in trace.host() if s.kind == "range" and STEP.match(s.name)]
+    loop_steps = [s for s in ranges if s.name.startswith("step ")]
+    steps = loop_steps or ranges  # ProfilerStep#N only where the loop's ranges are missing
     if not steps:
         raise UserError(f"{trace.source} has no step ranges (`step N` or ProfilerStep#N); record it with "
                         "--torch_profile (or under nsys with the loop's NVTX ranges)")

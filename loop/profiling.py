@@ -3,9 +3,10 @@ torch.profiler trace (`--torch_profile PATH`, on any device).
 
 The window both calls cudaProfilerStart/Stop (`nsys profile -c cudaProfilerApi`) and spans an NVTX range named
 PROFILE (`nsys profile --capture-range=nvtx --nvtx-capture=PROFILE`, the ResNet stage's command). With a trace path
-it also records torch.profiler over the window (CPU ops, and CUDA kernels and copies on a GPU), each step a
-`ProfilerStep#N` range and the loop's NVTX ranges as named ranges, and writes a Chrome trace (gzipped where the path
-ends in .gz) that `python -m benchmarks.step_profile` reduces to a table and draws as a timeline.
+it also records torch.profiler over the window (CPU ops, and CUDA kernels and copies on a GPU), with the loop's NVTX
+ranges (`step N`, `forward`, ...) as named ranges, and writes a Chrome trace (gzipped where the path ends in .gz)
+that `python -m benchmarks.step_profile` reduces to a table and draws as a timeline. Like the Nsight window, it
+starts at the first step of its epoch: a run resumed in the middle of that epoch records nothing.
 """
 import contextlib
 import os
