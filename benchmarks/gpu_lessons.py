@@ -134,14 +134,14 @@ class Lessons:
 
 def pack(out, archive):
     """The logs, TensorBoard events, traces and reports under `out` in one .tar.gz (no data, no checkpoints)."""
-    keep = (".log", ".json", ".json.gz") + ("",)
+    keep = (".log", ".json", ".json.gz")
     with tarfile.open(archive, "w:gz") as tar:
         for folder, _, files in os.walk(out):
             if os.path.relpath(folder, out).split(os.sep)[0] == "data":
                 continue
             for name in files:
                 path = os.path.join(folder, name)
-                if name.startswith("events.out.tfevents") or name.endswith(keep[:-1]):
+                if name.startswith("events.out.tfevents") or name.endswith(keep):
                     tar.add(path, arcname=os.path.relpath(path, out))
     log(f"packed {archive} ({os.path.getsize(archive) / 1e6:.1f} MB)")
 
