@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from utils import comm
 from utils.errors import ArgumentParser, UserError
 from utils.layout import Layout
 
@@ -118,13 +119,17 @@ def model_parallel_parser(description):
 
 
 def ranks(text):
-    """argparse type: a number of ranks, at least 1."""
+    """argparse type of --dry_run: a number of ranks, at least 1 and at most what a dry run stands in for
+    (utils/comm.DRY_RUN_MAX_RANKS), refused before anything is built."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks; give a whole number, at least 1")
+    too_large = comm.dry_run_refusal(value)
+    if too_large:
+        raise argparse.ArgumentTypeError(too_large)
     return value
 
 

@@ -30,7 +30,7 @@ from lifecycle.checkpoint import (
 from lifecycle.cli import apply_overrides, check_stage_flags
 from lifecycle.run_lock import RunDirectoryLock
 from utils import comm
-from utils.errors import UserError, register_cleanup
+from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
 from utils.logging_utils import config_logger, log_to_file
 from utils.YParams import YParams
 
@@ -81,6 +81,10 @@ def _make_run_dir(exp_dir):
     try:
         os.makedirs(os.path.join(exp_dir, "logs"), exist_ok=True)
     except OSError as err:
+        if err.errno in DISK_FULL:  # the free space of the file system it would be on (its nearest existing parent)
+            raise UserError(f"cannot create the run directory '{exp_dir}' ({err.strerror}; {free_space(exp_dir)} on "
+                            "its file system); free disk space (or raise the quota), or choose another "
+                            "--expdir") from None
         raise UserError(f"cannot create the run directory '{exp_dir}' ({err.strerror or err}); choose a writable "
                         "--expdir") from None
     if not os.access(exp_dir, os.W_OK):
@@ -172,7 +176,7 @@ def start_run(args, params, layout):
                             "with the same --yaml_config and --config, or start a new --run_num or --expdir")
     if run.rank == 0:
         log_to_file(os.path.join(exp_dir, "out.log"))
-    signals.stop_before_training("start-up")  # a signal since the script's first line: stop before the data loaders
+    signals.stop_before_training("start-up", exp_dir)  # a signal since the script's first line: before the loaders
     if run.rank == 0:
         params.log()
     return run
@@ -193,7 +197,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     checkpoint, path = run.checkpoint, run.resume_path
     run.checkpoint = None  # free the memory once restored
     if checkpoint is None:
-        signals.stop_before_training("the data loaders' start and the model's build")
+        signals.stop_before_training("the data loaders' start and the model's build", run.exp_dir)
         return 0, None
     load_model(model, checkpoint["model"], path)
     (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
@@ -210,7 +214,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "
                      "pass a new --run_num (or raise --num_iters) to train again")
-    signals.stop_before_training("the restore")  # a signal during the data loaders' start, the model's build, the load
+    signals.stop_before_training("the restore", run.exp_dir)  # one during the loaders, the build, the load
     return start_iter, checkpoint.get("epoch_sums")
 
 

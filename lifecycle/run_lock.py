@@ -7,8 +7,7 @@ import os
 import socket
 import time
 
-from utils.atomic import free_space
-from utils.errors import UserError, register_cleanup
+from utils.errors import UserError, free_space, register_cleanup
 
 
 class RunDirectoryLock:
@@ -35,12 +34,13 @@ class RunDirectoryLock:
                             f"(started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
             self.file.flush()
         except OSError as err:  # a full disk or quota: nothing of this run is left behind
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()  # tries the failed flush again, and fails again (without the file's name)
             with contextlib.suppress(OSError):
                 os.remove(self.path)
-            raise UserError(f"cannot write in the run directory '{exp_dir}' ({err.strerror or err}; "
-                            f"{free_space(exp_dir)}); free disk space (or raise the quota), or choose another "
-                            "--expdir") from None
+            raise UserError(f"writing the run lock '{self.path}' failed ({err.strerror or err}; "
+                            f"{free_space(exp_dir)} in '{exp_dir}'); free disk space (or raise the quota), or choose "
+                            "another --expdir") from None
         register_cleanup(self.release)
         # a forked child (a loader worker) would share the lock and keep it after this process is killed
         os.register_at_fork(after_in_child=self._close_in_child)

@@ -9,7 +9,7 @@ with EXIT_CODE, which tells the submit scripts to requeue the job.
 
 From the first line of a training script (`lifecycle/early_signals.py`, imported before torch) the signals are recorded,
 and a signal that came before the first step stops the run where the ranks next agree (end of start_run, end of
-restore, the loop's first question) with one line and EXIT_CODE, nothing written. Loader workers (PyTorch's and
+restore, the loop's first question) with one line and EXIT_CODE, no checkpoint written. Loader workers (PyTorch's and
 DALI's) never act on a signal: they start with the signals blocked (`workers_start_blocked`) and hand them to a
 thread (`ignore_in_worker`) that ignores them, except SIGTERM from their own parent (the loader closing them).
 A second Ctrl-C stops at once (KeyboardInterrupt), in one line.
@@ -100,13 +100,18 @@ def stopped_by():
     return _state["agreed"]
 
 
-def stop_before_training(where):
+def stop_before_training(where, run_dir=None):
     """Collective, before the training loop: if any rank received a signal since the script's first line, every rank
-    stops here with one line (rank 0) and EXIT_CODE, having written nothing (the submit scripts requeue the job)."""
+    stops here with one line (rank 0) and EXIT_CODE, having written no checkpoint (the submit scripts requeue the
+    job). `run_dir`: the run directory this start created its lock, out.log and logs/ in (None: a dry run, which
+    writes nothing)."""
     name = agreed()
     if name:
-        logging.info(f"stopped by {name} during {where}, before the first step; nothing was written, starting again "
-                     "resumes here")
+        written = ("nothing was written" if run_dir is None else
+                   f"no checkpoint was written (this start wrote only run.lock, out.log and logs/ in "
+                   f"'{run_dir}')")
+        logging.info(f"stopped by {name} during {where}, before the first step; {written}, starting again resumes "
+                     "here")
         from utils import comm
         comm.destroy()
         raise SystemExit(EXIT_CODE)

@@ -59,11 +59,49 @@ def _files_holding(config_name, yaml_filename):
     return found
 
 
+def _example_of(key, config_name, model):
+    """Where the repository's configs set `key`, in words ("; config/ViT.yaml's tiny sets it: 4"), or '': a config of
+    the same model and name first, then of the same model, then any."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "config", "*.yaml"))):
+        try:
+            configs = read_configs(path)
+        except UserError:
+            continue
+        for name, config in configs.items():
+            if isinstance(config, dict) and key in config:
+                rank = (config.get("model", "vit") != model, name != config_name)
+                found.append((rank, os.path.relpath(path, root), name, _to_plain(config[key])))
+    if not found:
+        return ""
+    _, path, name, value = min(found, key=lambda item: item[0])
+    return f"; {path}'s {name} sets it" + (f": {value}" if len(str(value)) <= 40 else "")
+
+
+class MissingKey(UserError, AttributeError, KeyError):
+    """A key the run reads that the config does not hold: one line naming the key, the config and the file (not a
+    traceback). Also an AttributeError and a KeyError, so that `getattr(params, key, default)`, `hasattr` and
+    `except KeyError` go on working."""
+
+    def __init__(self, key, config_name=None, yaml_filename=None, model="vit"):
+        super().__init__(key)
+        self.key, self.config_name, self.yaml_filename, self.model = key, config_name, yaml_filename, model
+
+    def __str__(self):  # built when said, not at each hasattr()
+        if self.config_name is None:  # re-raised from a loader worker with its text alone (torch's ExceptionWrapper)
+            return str(self.key)
+        return (f"config '{self.config_name}' in {self.yaml_filename} has no key '{self.key}', which this run "
+                f"reads; add `{self.key}: ...` to it{_example_of(self.key, self.config_name, self.model)}")
+
+
 class YParams:
-    """The config `config_name` of `yaml_filename`: read as `params.key` or `params["key"]`."""
+    """The config `config_name` of `yaml_filename`: read as `params.key` or `params["key"]`; a key it lacks is a
+    MissingKey (one line naming key, config and file)."""
 
     def __init__(self, yaml_filename, config_name, print_params=False):
         self.__dict__["_yaml_filename"] = os.path.abspath(yaml_filename)
+        self.__dict__["_yaml_name"] = os.path.normpath(yaml_filename)  # as given, for messages
         self.__dict__["_config_name"] = config_name
         if not os.path.isfile(yaml_filename):
             raise UserError(f"YAML config file '{yaml_filename}' not found; pass an existing file "
@@ -79,21 +117,39 @@ class YParams:
                                 f"{os.path.normpath(yaml_filename)}; add --yaml_config {elsewhere[0]}")
             raise UserError(f"config '{config_name}' is not in {yaml_filename}; "
                             f"choose one of: {', '.join(all_configs)}")
-        self.__dict__["params"] = _to_plain(dict(all_configs[config_name]))
+        config = all_configs[config_name]
+        if config is None:
+            raise UserError(f"config '{config_name}' in {self._yaml_name} is empty; give it its keys, indented under "
+                            f"`{config_name}:` (e.g. `  global_batch_size: 64`), or choose another --config")
+        if not isinstance(config, dict):
+            raise UserError(f"config '{config_name}' in {self._yaml_name} is {_to_plain(config)!r}, not a mapping of "
+                            f"keys; write it as `{config_name}:` followed by indented `key: value` lines (as in "
+                            "config/ViT.yaml)")
+        self.__dict__["params"] = _to_plain(dict(config))
         if print_params:
             self.log()
 
     def __getattr__(self, key):
-        try:
-            return self.__dict__["params"][key]
-        except KeyError:
-            raise AttributeError(key) from None
+        params = self.__dict__.get("params")
+        if params is not None and key in params:
+            return params[key]
+        if params is None or key.startswith("_"):  # pickle and copy probe for hooks (also before __dict__ is set)
+            raise AttributeError(key)
+        raise self._missing(key)
+
+    def _missing(self, key):
+        return MissingKey(key, self.__dict__.get("_config_name"),
+                          self.__dict__.get("_yaml_name") or self.__dict__.get("_yaml_filename"),
+                          self.__dict__.get("params", {}).get("model", "vit"))
 
     def __setattr__(self, key, value):
         self.params[key] = value
 
     def __getitem__(self, key):
-        return self.params[key]
+        try:
+            return self.params[key]
+        except KeyError:
+            raise self._missing(key) from None
 
     def __setitem__(self, key, value):
         self.params[key] = value

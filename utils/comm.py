@@ -180,6 +180,21 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
     return get_world_size(), get_world_rank(), get_local_rank()
 
 
+# A dry run builds every process group of its world in this one process (_build_groups: about 0.1 ms and 0.3 KB a
+# rank on a CPU core; 2^17 ranks take about 10 s, 10^8 ranks would take hours and over 20 GB): 2^17 = 131072 ranks,
+# above the largest GPU jobs run today (about 100,000 GPUs), is as many as it stands in for.
+DRY_RUN_MAX_RANKS = 2 ** 17
+
+
+def dry_run_refusal(world_size):
+    """Why a dry run of `world_size` ranks cannot run (one line without the flag's name), or None."""
+    if world_size > DRY_RUN_MAX_RANKS:
+        return (f"{world_size} ranks is more than a dry run stands in for: it builds every process group of the "
+                f"layout in this one process (about 0.1 ms a rank), so it takes at most {DRY_RUN_MAX_RANKS} ranks "
+                "(2^17, more than the largest GPU jobs); give a smaller N")
+    return None
+
+
 def join_dry_run(layout, rank):
     """Join, as rank `rank` of the Layout `layout` (train_mp.py --dry_run), a process group of torch's fake backend
     (utils/compat.py: its collectives return at once and move no data), alone: with the grid's groups (init) every
@@ -188,6 +203,9 @@ def join_dry_run(layout, rank):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 or dist.is_initialized():
         raise UserError("--dry_run runs one process standing for the whole layout; start it with python, not "
                         "torchrun or srun with several tasks")
+    too_large = dry_run_refusal(layout.world_size)
+    if too_large:
+        raise UserError(f"--dry_run {too_large}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
         raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
                         f"{layout.world_size - 1}")

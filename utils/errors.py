@@ -3,6 +3,7 @@ import argparse
 import errno
 import functools
 import os
+import re
 import shutil
 import sys
 
@@ -62,11 +63,16 @@ def exit_on_user_error(main):
 
 
 def free_space(folder):
-    """The free space of the file system holding `folder`, in words ('12.3 GB free'), for error messages."""
+    """The free space of the file system holding `folder` (or its nearest existing parent), in words, for error
+    messages: '12.3 GB free', below 1 GB in MB ('40.2 MB free'; a full disk is not '0.0 GB')."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # a folder a full disk did not let us create: its parent's file system
     try:
-        return f"{shutil.disk_usage(folder).free / 1e9:.1f} GB free"
+        free = shutil.disk_usage(folder).free
     except OSError:
         return "free space unknown"
+    return f"{free / 1e9:.1f} GB free" if free >= 1e9 else f"{free / 1e6:.1f} MB free"
 
 
 def disk_full(err):
@@ -83,8 +89,8 @@ def one_line(err):
     """The message of a UserError; for one re-raised from a DataLoader worker (its text then holds the worker's
     traceback), the original message alone."""
     message = str(err)
-    if "\nOriginal Traceback" in message:
-        message = message.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
+    if "\nOriginal Traceback" in message:  # its last line: "utils.errors.UserError: <message>" (or a subclass's name)
+        message = re.sub(r"^[\w.]+: ", "", message.rstrip().splitlines()[-1], count=1)
     return message
 
 

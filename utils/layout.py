@@ -200,6 +200,6 @@ def fsdp_shards_contiguous_weights(layout, channels_last):
 @rule("global_batch")
 def batch_splits_over_dp(layout, global_batch):
     if global_batch % layout.dp or global_batch < layout.dp:
-        return (f"Error, cannot evenly distribute {global_batch} across {layout.dp} GPU. Choose a global_batch_size "
+        return (f"cannot evenly distribute {global_batch} across {layout.dp} GPU: choose a global_batch_size "
                 "divisible by the number of data-parallel ranks, or set --local_batch_size")
     return None

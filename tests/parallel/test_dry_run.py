@@ -93,6 +93,8 @@ def test_the_dry_run_writes_nothing_and_says_so_first(tmp_path, capsys, monkeypa
     (["--tensor_parallel", "2", "--dry_run", "4", "--dry_run_rank", "4"], "--dry_run_rank 4 is not a rank of 4"),
     (["--dry_run", "2", "--sequence_parallel"], "it needs --tensor_parallel 2 or more"),
     (["--dry_run", "0"], "'0' is not a number of ranks"),
+    (["--dry_run", "131073"], "131073 ranks is more than a dry run stands in for: it builds every process group of "
+                              "the layout in this one process (about 0.1 ms a rank), so it takes at most 131072 ranks"),
     (["--dry_run_rank", "1"], "add --dry_run N"),
     (["--dry_run", "2", "--enable_benchy"], "drop --resume and --enable_benchy"),
 ])
@@ -103,6 +105,33 @@ def test_what_cannot_run_is_one_line(argv, words, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+
+
+@pytest.mark.compat
+def test_a_world_too_large_to_stand_in_for_is_refused_before_anything_is_built(capsys, monkeypatch):
+    """`--dry_run 100000000` (a 10^8-rank world): one line and exit 2 before a process group is joined. Before, the
+    process built every group of the world and grew until the kernel killed it (22 GB, 127 s, no message); here that
+    twin fails at once instead of filling the memory, since joining the fake group is refused. Called without the
+    flag (comm.init of a Layout), the same bound holds; 2^17 ranks pass the flag's check."""
+    from utils import comm
+    from utils.layout import Layout
+
+    def built(*args):
+        raise AssertionError("the dry run joined a process group for a world it cannot hold")
+
+    monkeypatch.setattr(comm, "join_fake_process_group", built)
+    with pytest.raises(SystemExit) as stop:
+        train_mp.main([*COMMON, "--dry_run", "100000000"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: argument --dry_run: 100000000 ranks is more than a dry run stands in for: it "
+                                "builds every process group of the layout in this one process (about 0.1 ms a rank), "
+                                "so it takes at most 131072 ranks (2^17, more than the largest GPU jobs); give a "
+                                "smaller N (see --help)"], err
+    with pytest.raises(UserError, match=r"^--dry_run 131073 ranks is more than a dry run stands in for"):
+        comm.init(Layout(dp=comm.DRY_RUN_MAX_RANKS + 1), dry_run_rank=0)
+    from lifecycle.cli import ranks
+    assert ranks(str(comm.DRY_RUN_MAX_RANKS)) == comm.DRY_RUN_MAX_RANKS == 2 ** 17
 
 
 @pytest.mark.compat

@@ -1,4 +1,7 @@
 """Config loading and flag overrides. A failure points to utils/YParams.py or lifecycle/cli.py."""
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -64,7 +67,8 @@ def test_batch_split_over_data_parallel_ranks():
     assert (params.global_batch_size, params.local_batch_size) == (64, 16)
     params = overridden("bs64_opt", ["--local_batch_size", "8"], dp_size=4)
     assert (params.global_batch_size, params.local_batch_size) == (32, 8)
-    with pytest.raises(UserError, match="cannot evenly distribute 64 across 3"):
+    # one "error" (`error: cannot evenly ...`); before, `error: Error, cannot evenly distribute ... GPU. Choose ...`
+    with pytest.raises(UserError, match=r"^cannot evenly distribute 64 across 3 GPU: choose a global_batch_size"):
         overridden("bs64_opt", [], dp_size=3)
 
 
@@ -85,3 +89,24 @@ def test_unknown_config_lists_the_names():
 def test_a_missing_yaml_file_is_one_line():
     with pytest.raises(UserError, match="'config/missing.yaml' not found"):
         YParams("config/missing.yaml", "base")
+
+
+def test_a_key_the_config_lacks_names_the_key_the_config_and_the_file():
+    """params.key or params["key"] of a key the config lacks: a UserError (one line, exit 2 in a script) naming the key,
+    the config and the file, and where the repository's configs set it; before, a bare AttributeError (KeyError), a
+    traceback and exit 1. Twin: it is still an AttributeError and a KeyError, so getattr with a default, hasattr,
+    `except KeyError`, pickling (a loader worker's copy) and deepcopy behave as before."""
+    params = YParams(VIT_YAML, "tiny")
+    said = (r"^config 'tiny' in config/ViT\.yaml has no key 'nope', which this run reads; add `nope: \.\.\.` to it$")
+    with pytest.raises(UserError, match=said):
+        params.nope  # noqa: B018 (the read is the test)
+    with pytest.raises(UserError, match=said):
+        params["nope"]
+    del params.params["depth"]
+    with pytest.raises(UserError, match=r"has no key 'depth', .*; config/ViT\.yaml's tiny sets it: 2$"):
+        params.depth  # noqa: B018
+    assert getattr(params, "nope", 7) == 7 and not hasattr(params, "nope") and "nope" not in params
+    with pytest.raises(KeyError):
+        params["nope"]
+    for twin in (pickle.loads(pickle.dumps(params)), copy.deepcopy(params)):
+        assert twin.params == params.params and twin.embed_dim == 32 and twin.config_name == "tiny"

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from ruamel.yaml import YAML
 from torch.utils.tensorboard import SummaryWriter
 
 import lifecycle.checkpoint
@@ -25,6 +26,7 @@ import train
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
 from utils.errors import UserError
+from utils.YParams import YParams
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
@@ -169,6 +171,13 @@ def write_yaml(tmp_path, text):
     ("yaml_empty", r"YAML config file '.*bad\.yaml' holds no configs"),
     ("other_yaml", r"config 'bs128' is in config/ResNet50\.yaml, not config/ViT\.yaml; add --yaml_config "
                    r"config/ResNet50\.yaml"),
+    # a named entry that is not a mapping, or lacks a key the run reads: before, a TypeError or AttributeError
+    # traceback and exit 1
+    ("yaml_not_a_mapping", r"config 'tiny' in .*bad\.yaml is 5, not a mapping of keys; write it as `tiny:` followed by "
+                           r"indented `key: value` lines"),
+    ("yaml_empty_config", r"config 'tiny' in .*bad\.yaml is empty; give it its keys"),
+    ("yaml_missing_key", r"config 'tiny' in .*bad\.yaml has no key 'global_batch_size', which this run reads; add "
+                         r"`global_batch_size: \.\.\.` to it; config/ViT\.yaml's tiny sets it: 4$"),
     ("expdir", r"cannot create the run directory '.*' \(.*\); choose a writable --expdir"),
     ("workers", r"num_data_workers is -1; it must be a whole number >= 0"),
     ("stop_at_iter", r"--stop_at_iter is 0; give the iteration to stop after"),
@@ -183,6 +192,16 @@ def test_bad_input_is_one_line_not_a_traceback(small_era5, tmp_path, capsys, cas
         argv += ["--yaml_config", write_yaml(tmp_path, "# nothing yet\n")]
     elif case == "other_yaml":
         argv += ["--config", "bs128"]
+    elif case == "yaml_not_a_mapping":
+        argv += ["--yaml_config", write_yaml(tmp_path, "tiny: 5\n")]
+    elif case == "yaml_empty_config":
+        argv += ["--yaml_config", write_yaml(tmp_path, "tiny:\nother:\n  lr: 1\n")]
+    elif case == "yaml_missing_key":
+        keys = dict(YParams("config/ViT.yaml", "tiny").params)
+        del keys["global_batch_size"]
+        with open(write_yaml(tmp_path, ""), "w") as f:
+            YAML().dump({"tiny": keys}, f)
+        argv += ["--yaml_config", f.name]
     elif case == "expdir":
         (tmp_path / "a_file").write_text("")
         argv += ["--expdir", str(tmp_path / "a_file" / "runs")]
@@ -243,17 +262,43 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(small_era5,
     assert not os.path.exists(checkpoint + ".tmp")
 
 
+def fake_free_space(monkeypatch, run_dir):
+    """shutil.disk_usage reporting 12 MB free on the file system of `run_dir` (and of the folders in it) and 50 GB
+    everywhere else (the working directory): a message that names the wrong folder shows the wrong number."""
+    import shutil
+
+    def disk_usage(folder):
+        inside = os.path.abspath(folder).startswith(os.path.abspath(str(run_dir)))
+        return shutil._ntuple_diskusage(100e9, 0, 12e6 if inside else 50e9)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
 def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path, capsys, monkeypatch):
-    """The run lock is the first file a run writes: a full disk there is one line naming the run directory and its
-    free space, and no run.lock stays behind."""
+    """The run lock is the first file a run writes: a full disk there is one line naming run.lock and the free space
+    of the run directory's file system (not the working directory's), and no run.lock stays behind. The stand-in
+    behaves as CPython's buffered file on a full disk (checked on a full 64 kB tmpfs): the write waits in the buffer,
+    flush() fails, and close() tries the flush again and fails too, and neither error names the file. Twin: before,
+    the second failure escaped as an OSError without a file name ("error: a write failed: ... 50.0 GB free in
+    '<working directory>'") and left run.lock behind."""
     import lifecycle.run_lock
 
     class FullDiskFile:
         def __init__(self, path, mode):
             self.file = open(path, mode)
+            self.pending = False
+
+        def write(self, text):
+            self.pending = True  # in the buffer
+            return len(text)
 
         def flush(self):
-            raise OSError(28, "No space left on device")
+            if self.pending:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.file.close()
+            self.flush()  # the buffer is flushed once more on close
 
         def __getattr__(self, name):
             return getattr(self.file, name)
@@ -261,11 +306,66 @@ def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path,
         def fileno(self):
             return self.file.fileno()
 
+    run_dir = run_dir_of(tmp_path)
+    fake_free_space(monkeypatch, tmp_path)
     monkeypatch.setattr(lifecycle.run_lock, "open", FullDiskFile, raising=False)
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"),
-               r"cannot write in the run directory '.*00' \(No space left on device; [0-9.]+ GB free\); free disk "
-               r"space")
-    assert not os.path.exists(os.path.join(run_dir_of(tmp_path), "run.lock"))
+               rf"^error: writing the run lock '{re.escape(run_dir)}/run\.lock' failed \(No space left on device; "
+               rf"12\.0 MB free in '{re.escape(run_dir)}'\); free disk space \(or raise the quota\), or choose another "
+               r"--expdir$")
+    assert not os.path.exists(os.path.join(run_dir, "run.lock"))
+
+
+def test_disk_full_creating_the_run_directory_names_its_file_system(small_era5, tmp_path, capsys, monkeypatch):
+    """A full disk when the run directory is made: one line with the free space of the file system it would be on
+    (its nearest existing parent, here --expdir). Twin: another failure (a file in the way) keeps its own words."""
+    import lifecycle.run
+
+    def full_disk(path, exist_ok=False):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    fake_free_space(monkeypatch, tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(lifecycle.run.os, "makedirs", full_disk)
+        fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "2"),
+                   rf"cannot create the run directory '{re.escape(run_dir_of(tmp_path))}' \(No space left on device; "
+                   r"12\.0 MB free on its file system\); free disk space")
+    (tmp_path / "a_file").write_text("")
+    fails_with(capsys, tiny(small_era5, tmp_path / "a_file", "--num_iters", "2"),
+               r"cannot create the run directory '.*' \(Not a directory\); choose a writable --expdir")
+
+
+def test_free_space_below_a_gigabyte_is_in_megabytes(tmp_path, monkeypatch):
+    """A nearly full disk says how much is left ('40.0 MB free', not '0.0 GB free'); a folder not made yet is
+    measured on its nearest existing parent. Twin: above 1 GB, GB."""
+    import shutil
+
+    from utils.errors import free_space
+    sizes = iter([40e6, 0, 2.5e9])
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(1e12, 0, next(sizes)))
+    assert free_space(str(tmp_path / "not" / "made")) == "40.0 MB free"
+    assert free_space(str(tmp_path)) == "0.0 MB free"
+    assert free_space(str(tmp_path)) == "2.5 GB free"
+
+
+def test_a_signal_before_the_first_step_says_what_the_start_wrote(small_era5, tmp_path, monkeypatch):
+    """A signal received before start_run (here SIGUSR1 to this process, recorded from the start as a training
+    script's first line does): the run stops with exit 75, and its line names every entry the start left in the run
+    directory (run.lock, out.log, an empty logs/) and no checkpoint. Twin: before, the line said "nothing was written"
+    beside those three."""
+    from lifecycle import signals
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # record_from_start wraps it
+    signals.record_from_start()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    with pytest.raises(SystemExit) as stop:
+        train.main(tiny(small_era5, tmp_path, "--num_iters", "2"))
+    assert stop.value.code == signals.EXIT_CODE
+    run_dir = run_dir_of(tmp_path)
+    assert sorted(os.listdir(run_dir)) == ["logs", "out.log", "run.lock"]
+    assert os.listdir(os.path.join(run_dir, "logs")) == []
+    (line,) = [line for line in open(os.path.join(run_dir, "out.log")) if "stopped by" in line]
+    assert ("stopped by SIGUSR1 during start-up, before the first step; no checkpoint was written (this start wrote "
+            f"only run.lock, out.log and logs/ in '{os.path.abspath(run_dir)}'), starting again resumes here") in line
 
 
 def test_disk_full_in_tensorboard_or_the_log_file_is_one_line(small_era5, tmp_path, capsys, monkeypatch):
@@ -371,6 +471,9 @@ def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tm
 
 
 def test_error_raised_in_a_loader_worker_is_still_one_line():
+    """A UserError, and a key the config lacks (utils/YParams.MissingKey, a subclass built from its key), raised in a
+    loader worker: re-raised by the DataLoader with the worker's traceback in its text, said as the message alone.
+    Twin: before, the MissingKey came back as "utils.YParams.MissingKey: config ..." (the class name kept)."""
     from torch._utils import ExceptionWrapper
 
     from utils.errors import UserError, one_line
@@ -382,6 +485,13 @@ def test_error_raised_in_a_loader_worker_is_still_one_line():
         wrapped.reraise()  # what the DataLoader does in the main process
     assert "Traceback" in str(info.value)
     assert one_line(info.value) == "HDF5 file 'x.h5' cannot be read at time step 3"
+    try:
+        YParams("config/ViT.yaml", "tiny").nope  # noqa: B018 (the read is the test)
+    except UserError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(UserError) as info:
+        wrapped.reraise()
+    assert one_line(info.value).startswith("config 'tiny' in config/ViT.yaml has no key 'nope'")
 
 
 @pytest.mark.multiprocess

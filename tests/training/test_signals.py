@@ -284,7 +284,7 @@ def handles(pid, signum):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
-def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_nothing_written(era5_dir, tmp_path, signum):
+def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_no_checkpoint(era5_dir, tmp_path, signum):
     """The signal reaches the process as soon as its first line (lifecycle/early_signals.py) has run, i.e. while torch
     imports: it is recorded, and the run stops at the end of start_run in one line, exit 75, no checkpoint. Before:
     SIGUSR1 exit 138 with nothing said, SIGTERM 143, SIGINT a traceback."""
@@ -297,7 +297,8 @@ def test_a_signal_while_torch_imports_stops_in_one_line_with_75_and_nothing_writ
     output = log_path.read_text()
     assert "Traceback" not in output, output
     name = signal.Signals(signum).name
-    assert f"stopped by {name} during start-up, before the first step; nothing was written" in output
+    assert f"stopped by {name} during start-up, before the first step; no checkpoint was written (this start " \
+           "wrote only run.lock, out.log and logs/ in" in output
     assert not os.path.exists(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints"))
 
 
