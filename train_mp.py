@@ -163,8 +163,9 @@ def main(argv=None):
 
             val_means = None
             if milestones.epoch_ends(iters):  # the epoch's report, then validation
+                profiler_window.stop()  # the window ends with the epoch, before its report
                 train_means = log_training_epoch(run, meter, iters, optimizer, flops_per_sample / num_devices, peak)
-                profiler_window.end_epoch()  # after the epoch's report: writing a trace is not timed
+                profiler_window.write_trace()  # after the report: writing a trace is not the epoch's time
                 val_means, val_batch, val_seconds = validate(model, valid_loader, to_device, loss_fn, metrics_fn,
                                                              autocast)
                 log_validation(run, iters, val_means, val_batch, val_seconds, train_means)
@@ -174,7 +175,7 @@ def main(argv=None):
                 checkpoint(iters)
             if stop:
                 break
-    profiler_window.end_epoch()  # a window the stop cut short
+    profiler_window.close()  # a window the stop cut short; a trace never reached is said
     finish_run(run)
 
 

@@ -6,7 +6,9 @@
 TRACE is a torch.profiler Chrome trace (`train.py ... --torch_profile run.json.gz`, .json or .json.gz) or an Nsight
 Systems report exported to SQLite (`nsys export --type sqlite run.nsys-rep`, where nsys exists). The steps are the
 loop's ranges named `step N` (or torch.profiler's `ProfilerStep#N`); the window runs from the first step's start to
-the end of what was recorded after the last (the next batch's fetch, and the profiler's final synchronisation).
+the end of what was recorded after the last (the next batch's fetch, and the profiler's final synchronisation). On
+a GPU, which runs behind the host, the steps' work is the kernels and copies they launched, and the window opens
+when the GPU could start it (the work launched before them done).
 
 What is counted as busy depends on where the step ran:
 - on a GPU, the device's kernels and copies (every stream): a kernel is put in a part by its name and by the
@@ -248,15 +250,21 @@ def reduce_trace(trace, skip=0):
     forest = nest(host)
     on_gpu = trace.device != "CPU"
     lo = steps[0].start
-    hi = max(s.end for s in trace.spans if s.start >= lo or s.end > lo)
+    hi = max(s.end for s in trace.spans if s.start >= lo or s.end > lo)  # the end of the recording
     parts = dict.fromkeys(PARTS, 0.0)
     busy = []
     if on_gpu:
+        # the GPU runs behind the host: the kept steps' work is what they launched, and the window opens when the
+        # GPU could start it (the work launched before them done, and the first kept step begun on the host)
         launches = {s.correlation: s for s in host if s.kind == "runtime" and s.correlation is not None}
+        kept, first_step = [], lo
         for s in trace.device_spans():
-            if s.end <= lo or s.start >= hi:
-                continue
             launch = launches.get(s.correlation)
+            if (launch.start if launch else s.start) >= first_step:
+                kept.append((s, launch))
+            else:
+                lo = max(lo, s.end)
+        for s, launch in kept:
             context = open_at(forest.get(launch.track, []), launch.start) if launch else []
             parts[classify(s.name, context, s.kind)] += min(s.end, hi) - max(s.start, lo)
             busy.append((s.start, s.end))
@@ -399,6 +407,8 @@ def main(argv=None):
     parser.add_argument("--figure_steps", type=int, default=3, help="steps drawn (default 3)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N steps (warm-up) of the table")
     args = parser.parse_args(argv)
+    if args.skip < 0 or args.figure_steps < 1:
+        parser.error(f"--skip must be >= 0 and --figure_steps >= 1 (got {args.skip} and {args.figure_steps})")
     if args.committed:
         return committed(args.out or "bench_results/gpu/step_profiles.json", args.figure or "tutorial_images")
     if not args.trace:

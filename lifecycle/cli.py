@@ -60,9 +60,9 @@ def training_parser(description, one_process_dp=True):
     add("--profile_epoch", type=int, default=3, help="0-based epoch of the cudaProfilerApi window")
     add("--profile_iters", type=int, default=None, help="iterations in the profiler window (default: the epoch)")
     add("--torch_profile", type=str, default=None, metavar="PATH",
-        help="also record the profiler window with torch.profiler (any device, no Nsight needed) and write its "
-             "Chrome trace to PATH (.json.gz: gzipped; one file a rank, .rankR added); reduce and draw it with "
-             "python -m benchmarks.step_profile")
+        help="also record the profiler window with torch.profiler (any device, no Nsight needed; not under nsys, "
+             "which takes the same CUDA tracing interface) and write its Chrome trace to PATH (.json.gz: gzipped; "
+             "one file a rank, .rankR added); reduce and draw it with python -m benchmarks.step_profile")
     add("--enable_benchy", action=argparse.BooleanOptionalAction, default=None,
         help="throughput benchmark (IO, SYNTHETIC, FULL) instead of training; JSON to $BENCHY_OUTPUT.json")
     add("--benchy_nbatches", type=int, default=None, help="batches per benchmark trial (default 50)")
@@ -226,6 +226,13 @@ def set_profiling_window(params, args):
     switches)."""
     if params.enable_benchy and args.enable_manual_profiling:
         raise UserError("Enable either benchy profiling or manual profiling, not both.")
+    if getattr(args, "torch_profile", None):
+        if params.enable_benchy:
+            raise UserError("--torch_profile records the training loop's profiler window, which --enable_benchy "
+                            "does not run; drop one of them")
+        if getattr(args, "dry_run", None) is not None:
+            raise UserError("--torch_profile records the training loop's profiler window, which --dry_run does not "
+                            "run; drop one of them")
     if args.enable_manual_profiling:
         args.profile_epoch, args.profile_iters = 1, 60
     elif params.get("enable_profiling"):  # the ResNet stage's *-prof configs name their window

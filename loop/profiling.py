@@ -9,6 +9,7 @@ that `python -m benchmarks.step_profile` reduces to a table and draws as a timel
 starts at the first step of its epoch: a run resumed in the middle of that epoch records nothing.
 """
 import contextlib
+import logging
 import os
 
 import torch
@@ -57,17 +58,18 @@ class CudaProfilerWindow:
             self.trace = trace_path(trace, rank, size)
         self.profiler = None
         self.running = False
+        self.recorded = False  # a window ran: it is not started again
 
     def step(self, epoch, step_in_epoch):
         """Call at the start of each step."""
         if not (self.enabled or self.trace) or epoch != self.epoch:
             return
-        if step_in_epoch == 0 and not self.running:
+        if step_in_epoch == 0 and not self.running and not self.recorded:
             self._start()
         elif self.running and self.num_iters is not None and step_in_epoch >= self.num_iters:
-            self.end_epoch()
-        elif self.profiler is not None:
-            self.profiler.step()  # the next ProfilerStep#N range begins
+            self.stop()  # the trace is written after the epoch's report (write_trace)
+        elif self.profiler is not None and self.running:
+            self.profiler.step()
 
     def _start(self):
         global _tracing
@@ -83,7 +85,8 @@ class CudaProfilerWindow:
             torch.cuda.nvtx.range_push("PROFILE")
         self.running = True
 
-    def end_epoch(self):
+    def stop(self):
+        """End the window (its kernels done): at the epoch's end, before its timed report, or after num_iters."""
         global _tracing
         if not self.running:
             return
@@ -95,8 +98,26 @@ class CudaProfilerWindow:
         if self.profiler is not None:
             self.profiler.stop()
             _tracing = False
-            self._write_trace()
         self.running = False
+        self.recorded = True
+
+    def write_trace(self):
+        """Write the recorded trace, if one waits (after the epoch's report, so that its time is not the epoch's)."""
+        if self.profiler is not None and not self.running:
+            self._write_trace()
+
+    def end_epoch(self):
+        """stop() and write_trace() at once."""
+        self.stop()
+        self.write_trace()
+
+    def close(self):
+        """At the run's end: a window the stop cut short is ended and written; a trace asked for that the run never
+        reached is said in one line."""
+        self.end_epoch()
+        if self.trace and not self.recorded:
+            logging.warning(f"--torch_profile: no trace written to {self.trace}: the run never began epoch "
+                            f"{self.epoch + 1} at its first step (--profile_epoch {self.epoch} counts from 0)")
 
     def _write_trace(self):
         """The Chrome trace, written whole or not at all (a temporary file beside it, renamed)."""

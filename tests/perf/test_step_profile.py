@@ -362,3 +362,40 @@ def test_a_good_trace_from_the_command_line_exits_0(tmp_path):
     table = json.loads(out.read_text())
     assert table["steps"] == 1 and table["skipped_steps"] == 2
     assert table == reduce_trace(read_trace(str(TINY_CPU_TRACE)), 2)
+
+
+def lagging_gpu_trace(path):
+    """Three 100 us host steps; each launches one 250 us kernel, so the GPU runs behind: step 0's kernel runs
+    [10, 260], step 1's [260, 510], step 2's [510, 760]; the recording ends at 800 (the final synchronisation)."""
+    events = []
+    for i in range(3):
+        events.append(x_event("user_annotation", f"step {i}", BASE + 100 * i, BASE + 100 * i + 100))
+        events.append(x_event("cpu_op", "aten::mm", BASE + 100 * i + 5, BASE + 100 * i + 20))
+        events.append(x_event("cuda_runtime", "cudaLaunchKernel", BASE + 100 * i + 10, BASE + 100 * i + 15,
+                              correlation=i + 1))
+        events.append(x_event("kernel", "nvjet_sm90_gemm", BASE + 10 + 250 * i, BASE + 260 + 250 * i, tid=7, pid=0,
+                              correlation=i + 1, stream=7))
+    events.append(x_event("cuda_runtime", "cudaDeviceSynchronize", BASE + 300, BASE + 800))
+    return write_chrome(path, events, device_name="NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("skip, step_ms, gemm_ms", [(0, 0.8 / 3, 0.75 / 3), (1, 0.54 / 2, 0.5 / 2),
+                                                    (2, 0.29, 0.25)])
+def test_skipped_steps_work_is_theirs_although_the_gpu_runs_it_later(tmp_path, skip, step_ms, gemm_ms):
+    """With --skip, the kept steps' work is the kernels they launched: the window opens when the GPU has done the
+    skipped steps' work (at 260 us for skip 1), not when the host began the first kept step (at 100 us). Twin: the
+    host's step start as the window's start counts the skipped step's kernel in the kept steps' time."""
+    trace = step_profile.read_trace(lagging_gpu_trace(tmp_path / "lag.json"))
+    table = step_profile.reduce_trace(trace, skip)
+    assert table["step_ms"] == pytest.approx(step_ms, abs=ROUNDING)
+    assert table["ms_per_step"]["gemm"] == pytest.approx(gemm_ms, abs=ROUNDING)
+    if skip:
+        host_window = (0.8 - 0.1 * skip) / (3 - skip)  # what the host's clock alone would give
+        assert table["step_ms"] != pytest.approx(host_window, abs=ROUNDING)
+
+
+@pytest.mark.parametrize("flags", [["--skip", "-1"], ["--figure_steps", "0"]])
+def test_a_negative_skip_or_no_steps_to_draw_is_refused(tmp_path, flags, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        step_profile.main([str(TINY_CPU_TRACE), *flags])
+    assert stopped.value.code == 2 and "--skip must be >= 0" in capsys.readouterr().err

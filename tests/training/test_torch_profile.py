@@ -154,3 +154,54 @@ def test_two_ranks_under_torchrun_write_one_trace_each(era5_dir, tmp_path):
         with gzip.open(traces / name, "rt") as f:
             pids |= {e["pid"] for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"}
     assert len(pids) == 2  # each rank's own process
+
+
+def test_a_window_shorter_than_its_epoch_is_written_only_when_asked(tmp_path):
+    """The window ends after num_iters steps (stop), but its trace is written by write_trace, which the loops call
+    after the epoch's timed report: writing a trace is not the epoch's time. Twin: end_epoch writes at once."""
+    path = tmp_path / "t.json.gz"
+    window = CudaProfilerWindow(epoch=0, num_iters=2, trace=str(path))
+    for i in range(4):
+        window.step(0, i)
+        with nvtx_range(f"step {i}"):
+            torch.tanh(torch.randn(4, 4))
+    assert not window.running and not path.exists()  # stopped at step 2, nothing written yet
+    window.write_trace()
+    assert {n for n in annotations(path) if n.startswith("step ")} == {"step 0", "step 1"}
+    twin = CudaProfilerWindow(epoch=0, num_iters=None, trace=str(tmp_path / "twin.json.gz"))
+    twin.step(0, 0)
+    twin.end_epoch()
+    assert (tmp_path / "twin.json.gz").exists()
+
+
+def test_a_trace_the_run_never_reached_is_said_at_its_end(tmp_path, caplog):
+    """--profile_epoch 3 on a run of one epoch: close() says in one line that no trace was written, and why. Twin:
+    a window that ran says nothing."""
+    window = CudaProfilerWindow(epoch=3, trace=str(tmp_path / "never.json.gz"))
+    window.step(0, 0)
+    with caplog.at_level("WARNING"):
+        window.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--torch_profile: no trace written to {tmp_path / 'never.json.gz'}: the run never began epoch 4 at its first "
+        "step (--profile_epoch 3 counts from 0)"]
+    caplog.clear()
+    ran = CudaProfilerWindow(epoch=0, trace=str(tmp_path / "ran.json.gz"))
+    ran.step(0, 0)
+    with caplog.at_level("WARNING"):
+        ran.close()
+    assert caplog.records == [] and (tmp_path / "ran.json.gz").exists()
+
+
+@pytest.mark.parametrize("flags, what", [(["--enable_benchy"], "--enable_benchy"), (["--dry_run", "4"], "--dry_run")])
+def test_torch_profile_with_a_run_that_has_no_loop_is_refused(flags, what):
+    """--enable_benchy and --dry_run never reach the loop's window: the flag would do nothing, so it is refused."""
+    from lifecycle.cli import model_parallel_parser, set_profiling_window
+    from utils.errors import UserError
+    from utils.YParams import YParams
+    args = model_parallel_parser("t").parse_args(["--torch_profile", "t.json.gz", *flags])
+    params = YParams("config/ViT.yaml", "tiny")
+    params.enable_benchy = "--enable_benchy" in flags
+    with pytest.raises(UserError, match=f"which {what} does not run; drop one of them"):
+        set_profiling_window(params, args)
+    args.torch_profile = None  # twin: without the flag both run
+    set_profiling_window(params, args)
