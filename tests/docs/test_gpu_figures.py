@@ -166,3 +166,31 @@ def test_docs_benchmarks_hold_the_tables_own_rendering():
     assert lever_mismatches(docs, table) == []
     assert all(target["met"] for target in table["targets"].values()), table["targets"]
     assert gpu_table.check_targets(table["rows"]) == table["targets"]
+
+
+def lesson_mismatches(readme):
+    """README's figures from the lessons' benchmarks (bench_results/gpu/lessons/): the `mp` config at tp=1 and the
+    UNet's fp16 + fused step, each as its JSON says."""
+    lessons = GPU / "lessons"
+    mp = json.loads((lessons / "mp_tp1_benchy.json").read_text())
+    unet = json.loads((lessons / "unet_fp16_fused_benchy.json").read_text())
+    log = (lessons / "second_call_mp_tp1_benchy.log").read_text()
+    flat = " ".join(readme.split())
+    said = {
+        "mp FULL": f"tp=1 at local batch 16 ran at {mp['FULL']['mean']:.1f} samples/s",
+        "mp peak": f"with a {mp['peak_memory_gb']:.1f} GB peak",
+        "unet SYNTHETIC": f"step alone runs at {unet['SYNTHETIC']['mean']:.0f} samples/s",
+        "unet IO": f"the loader still at {unet['IO']['mean']:.0f}",
+    }
+    found = [f"{what}: README does not say {text!r}" for what, text in said.items() if text not in flat]
+    predicted = flat.split("the log's prediction: `")[1].split("`")[0] if "the log's prediction: `" in flat else "?"
+    if predicted not in log:
+        found.append(f"mp prediction: README quotes {predicted!r}, not in the run's log")
+    return found
+
+
+def test_readme_lesson_benchmarks_are_the_committed_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert lesson_mismatches(readme) == []
+    assert [line.split(":")[0] for line in lesson_mismatches(readme.replace("62.0 samples/s", "62.1 samples/s"))] == [
+        "mp FULL"]
