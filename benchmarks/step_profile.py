@@ -212,6 +212,15 @@ def classify(name, context, kind):
     return "norm_elementwise"
 
 
+def launched(trace, host, forest):
+    """Each device span with its launch call (None where none is recorded) and its part of the step."""
+    launches = {s.correlation: s for s in host if s.kind == "runtime" and s.correlation is not None}
+    for s in trace.device_spans():
+        launch = launches.get(s.correlation)
+        context = open_at(forest.get(launch.track, []), launch.start) if launch else []
+        yield s, launch, classify(s.name, context, s.kind)
+
+
 def union_length(intervals, lo, hi):
     """Total length of the union of (start, end) intervals clipped to [lo, hi]."""
     total, cur_start, cur_end = 0.0, None, None
@@ -256,17 +265,14 @@ def reduce_trace(trace, skip=0):
     if on_gpu:
         # the GPU runs behind the host: the kept steps' work is what they launched, and the window opens when the
         # GPU could start it (the work launched before them done, and the first kept step begun on the host)
-        launches = {s.correlation: s for s in host if s.kind == "runtime" and s.correlation is not None}
         kept, first_step = [], lo
-        for s in trace.device_spans():
-            launch = launches.get(s.correlation)
+        for s, launch, part in launched(trace, host, forest):
             if (launch.start if launch else s.start) >= first_step:
-                kept.append((s, launch))
+                kept.append((s, part))
             else:
                 lo = max(lo, s.end)
-        for s, launch in kept:
-            context = open_at(forest.get(launch.track, []), launch.start) if launch else []
-            parts[classify(s.name, context, s.kind)] += min(s.end, hi) - max(s.start, lo)
+        for s, part in kept:
+            parts[part] += min(s.end, hi) - max(s.start, lo)
             busy.append((s.start, s.end))
     else:
         for roots in forest.values():
@@ -323,14 +329,10 @@ def draw(trace, out, title, max_steps=3):
     for depth in sorted(range_rows):
         rows.append(("loop ranges" if depth == 0 else "step parts", range_rows[depth]))
     if trace.device != "CPU":
-        launches = {s.correlation: s for s in host if s.kind == "runtime" and s.correlation is not None}
         streams = {}
-        for s in trace.device_spans():
+        for s, _, part in launched(trace, host, forest):
             if s.end > lo and s.start < hi:
-                launch = launches.get(s.correlation)
-                context = open_at(forest.get(launch.track, []), launch.start) if launch else []
-                streams.setdefault(s.track, []).append((s.start, s.end, COLORS[classify(s.name, context, s.kind)],
-                                                        None))
+                streams.setdefault(s.track, []).append((s.start, s.end, COLORS[part], None))
         for track in sorted(streams, key=lambda t: -len(streams[t])):
             rows.append((f"GPU {track}", streams[track]))
     else:
