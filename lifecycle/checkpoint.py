@@ -2,21 +2,25 @@
 
 A run directory keeps two: checkpoints/ckpt.pt and the one before it, ckpt_previous.pt. When the newest is damaged
 (a write cut short by a failing file system, a zeroed file) the run resumes from the previous one and says so.
+Every rank resumes from the same file, or the job stops (load_on_every_rank): rank 0 chooses, the others follow.
 """
 import logging
 import os
 import random
+import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from utils import comm
 from utils.atomic import atomic_path, free_space
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 
 class DamagedCheckpoint(UserError):
-    """A checkpoint file that torch.load cannot read."""
+    """A checkpoint file that torch.load cannot read; `reason`: what torch.load raised, in a few words."""
+    reason = "unreadable"
 
 
 def previous_path(path):
@@ -56,9 +60,12 @@ def load_checkpoint(path):
         # our own files hold numpy/python RNG states, which weights_only loading refuses
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
-        raise DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({type(err).__name__}): it is damaged, "
-                                "incomplete (a write cut short, a failing file system) or not a checkpoint; pass "
-                                "another checkpoint to --resume") from None
+        reason = type(err).__name__ + (f": {err.strerror}" if isinstance(err, OSError) and err.strerror else "")
+        damaged = DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({reason}): it is damaged, incomplete (a "
+                                    "write cut short, a failing file system) or not a checkpoint; pass another "
+                                    "checkpoint to --resume")
+        damaged.reason = reason
+        raise damaged from None
 
 
 def load_newest_checkpoint(path):
@@ -84,6 +91,94 @@ def load_newest_checkpoint(path):
         logging.warning(f"{why}; resuming from the previous checkpoint '{previous}' (iteration "
                         f"{checkpoint.get('iteration', '?') if isinstance(checkpoint, dict) else '?'})")
     return checkpoint, previous
+
+
+def iteration_of(checkpoint):
+    """The iteration a checkpoint holds (None for anything else)."""
+    return checkpoint.get("iteration") if isinstance(checkpoint, dict) else None
+
+
+STOPS = "every rank must resume from the same checkpoint, so the job stops"
+
+
+def load_rank0s_choice(path, iteration):
+    """(checkpoint, None) on a rank other than 0 that loads `path`, rank 0's choice, at rank 0's `iteration`; else
+    (None, this rank's problem in one sentence): it cannot read the file, or the file holds another iteration here.
+    No fallback of its own: rank 0 decided."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(path):
+        why = "not found"
+    else:
+        try:
+            checkpoint = load_checkpoint(path)
+        except DamagedCheckpoint as err:
+            why = err.reason
+        else:
+            mine = iteration_of(checkpoint)
+            if mine == iteration:
+                return checkpoint, None
+            return None, (f"checkpoint '{path}' holds iteration {'?' if mine is None else mine} on this rank but "
+                          f"{iteration} on rank 0; {STOPS}: check that every node sees the same '{folder}' (one "
+                          "shared file system for --expdir), then start again")
+    return None, (f"checkpoint '{path}' cannot be read on this rank ({why}), though rank 0 read it (iteration "
+                  f"{iteration}); {STOPS}: check that this node sees '{folder}' as rank 0's does (a shared, healthy "
+                  "file system), then start again")
+
+
+def resume_verdict(problems, rank):
+    """What rank `rank` does once every rank tried rank 0's checkpoint; `problems`: each rank's problem (None where
+    it loaded rank 0's iteration). None: go on (every rank agrees). Else the job stops: the lowest rank with a
+    problem gets its line (naming any other such ranks), to print once; every other rank gets '' (exit quietly)."""
+    failing = [r for r, problem in enumerate(problems) if problem]
+    if not failing:
+        return None
+    if rank != failing[0]:
+        return ""
+    others = failing[1:]
+    if not others:
+        return problems[rank]
+    listed = ", ".join(map(str, others[:5])) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return f"{problems[rank]} (rank{'s' if len(others) > 1 else ''} {listed} cannot resume from it either)"
+
+
+def load_on_every_rank(path, newest=False, check=None):
+    """(checkpoint, the file it came from): the same file at the same iteration on every rank, or the job stops.
+    Rank 0 chooses and loads: `path`, or with `newest` the newest good one of `path` and its previous checkpoint
+    (load_newest_checkpoint: a damaged newest falls back, said once); `check(checkpoint, file)` may refuse it with a
+    UserError (every rank stops; rank 0 prints it). Rank 0 sends the file and its iteration; each other rank loads
+    exactly that file (load_rank0s_choice), and one collective tells every rank whether all did: if not, the
+    lowest rank that could not prints one line naming itself and the file (`rank R: ...`, a OneRankError) and every
+    rank exits with code 2, none waits. Every rank calls it; rank 0 reads the file once."""
+    rank = comm.get_world_rank()
+    checkpoint, error = None, None
+    if rank == 0:
+        try:
+            checkpoint, path = load_newest_checkpoint(path) if newest else (load_checkpoint(path), path)
+            if check is not None:
+                check(checkpoint, path)
+        except UserError as err:
+            error = str(err)
+        except Exception:  # a bug: its traceback on rank 0; the others stop instead of waiting for rank 0
+            comm.broadcast_from_rank0((path, None, None, True))
+            raise
+    path, iteration, error, crashed = comm.broadcast_from_rank0((path, iteration_of(checkpoint), error, False))
+    if crashed:
+        sys.exit(2)
+    if error:  # rank 0's reason: every rank stops as when every rank found it; rank 0 prints it
+        raise UserError(error)
+    problem = None
+    if rank != 0:
+        checkpoint, problem = load_rank0s_choice(path, iteration)
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # the agreement: every rank learns every rank's outcome
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    verdict = resume_verdict(problems, rank)
+    if verdict:
+        raise OneRankError(verdict)
+    if verdict == "":
+        sys.exit(2)  # another rank's line says why, once
+    return checkpoint, path
 
 
 def load_model_state(model, state, path, saved_name=lambda name: name, shard=lambda name, tensor: tensor):

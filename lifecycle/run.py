@@ -20,9 +20,8 @@ from torch.utils.tensorboard import SummaryWriter
 from lifecycle import signals
 from lifecycle.checkpoint import (
     get_rng_states,
-    load_checkpoint,
     load_model_state,
-    load_newest_checkpoint,
+    load_on_every_rank,
     previous_path,
     save_checkpoint,
     set_rng_states,
@@ -159,27 +158,32 @@ def start_run(args, params, layout):
     if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
         logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")
     if run.resume_path and not params.enable_benchy:
-        if run.resume_path == checkpoint_path:  # the newest good one of the run directory's two
-            run.checkpoint, run.resume_path = load_newest_checkpoint(checkpoint_path)
-        else:
-            run.checkpoint = load_checkpoint(run.resume_path)
-        if not isinstance(run.checkpoint, dict) or not {"model", "iteration", "config_name"} <= set(run.checkpoint):
-            what = ("move it away to train from the beginning here, or start a new --run_num (or --expdir)"
-                    if run.resume_path in (checkpoint_path, previous_path(checkpoint_path))
-                    else "pass one of a run directory's checkpoints to --resume")
-            raise UserError(f"'{run.resume_path}' is not a checkpoint written by train.py (a torch file without its "
-                            f"model, iteration and config); {what}")
-        written_by = (run.checkpoint["config_name"], run.checkpoint["params"].get("model", "vit"))
-        if written_by != (args.config, params.get("model", "vit")):
-            raise UserError(f"checkpoint '{run.resume_path}' was written by config '{written_by[0]}' (model "
-                            f"{written_by[1]}), not '{args.config}' (model {params.get('model', 'vit')}); resume "
-                            "with the same --yaml_config and --config, or start a new --run_num or --expdir")
+        # rank 0 loads the newest good one of the run directory's two (or the --resume file) and checks it; every
+        # other rank loads exactly that file at the same iteration, or the whole job stops
+        run.checkpoint, run.resume_path = load_on_every_rank(
+            run.resume_path, newest=run.resume_path == checkpoint_path,
+            check=lambda checkpoint, path: check_written_by(checkpoint, path, args, params, checkpoint_path))
     if run.rank == 0:
         log_to_file(os.path.join(exp_dir, "out.log"))
     signals.stop_before_training("start-up", exp_dir)  # a signal since the script's first line: before the loaders
     if run.rank == 0:
         params.log()
     return run
+
+
+def check_written_by(checkpoint, path, args, params, checkpoint_path):
+    """Refuse (a UserError) a checkpoint at `path` that train.py did not write, or that another config wrote."""
+    if not isinstance(checkpoint, dict) or not {"model", "iteration", "config_name"} <= set(checkpoint):
+        what = ("move it away to train from the beginning here, or start a new --run_num (or --expdir)"
+                if path in (checkpoint_path, previous_path(checkpoint_path))
+                else "pass one of a run directory's checkpoints to --resume")
+        raise UserError(f"'{path}' is not a checkpoint written by train.py (a torch file without its "
+                        f"model, iteration and config); {what}")
+    written_by = (checkpoint["config_name"], checkpoint["params"].get("model", "vit"))
+    if written_by != (args.config, params.get("model", "vit")):
+        raise UserError(f"checkpoint '{path}' was written by config '{written_by[0]}' (model "
+                        f"{written_by[1]}), not '{args.config}' (model {params.get('model', 'vit')}); resume "
+                        "with the same --yaml_config and --config, or start a new --run_num or --expdir")
 
 
 def set_run_length(params, steps_per_epoch):
