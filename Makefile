@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run plan example-logs figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement plan example-logs figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -102,6 +102,10 @@ bench-loader: install
 	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --repeats 5 --out bench_results/loader_era5.json
 
 # the cosmology crops (64^3 of a generated 128^3 box): PyTorch lowmem and DALI dali-lowmem vs raw reads
+# the ranks' agreement on a stop signal, per step, blocking against in-loop, on 2, 8 and 16 CPU ranks (gloo)
+bench-agreement: install
+	$(PY) -m benchmarks.bench_agreement --ranks 2 8 16 --out bench_results/stop_agreement.json
+
 bench-loader-cosmo: install
 	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --repeats 5 --out bench_results/loader_cosmo.json
 

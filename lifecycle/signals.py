@@ -3,9 +3,16 @@
 Slurm sends SIGTERM at the time limit, on preemption and on `scancel` (then SIGKILL after KillWait, often 30 s), and
 the submit scripts ask for SIGUSR1 a few minutes before the limit (`#SBATCH --signal=USR1@180`); Slurm signals every
 process of the step (each rank and its loader workers), torchrun forwards SIGTERM to its ranks. A handler only
-records the first signal. At each step boundary the ranks agree on it (`agreed()`: one collective on the host, no
-device sync), so every rank stops after the same iteration; the loop then writes a checkpoint and the script exits
-with EXIT_CODE, which tells the submit scripts to requeue the job.
+records the first signal. The ranks agree on it at the step boundaries (`agreed_in_loop()`), so every rank stops
+after the same iteration; the loop then writes a checkpoint and the script exits with EXIT_CODE, which tells the
+submit scripts to requeue the job.
+
+The agreement costs no step anything, at any number of ranks: at each boundary a rank starts an all-reduce (the
+highest signal number any rank received, over gloo on the host: no device sync) and reads the one it started
+AGREEMENT_LAG boundaries before, which finished during the steps in between. Every rank reads the same all-reduce
+at the same boundary, so all of them stop at the same one: AGREEMENT_LAG steps after the step the signal came in.
+An agreement at every boundary that waited for its own all-reduce (as before) cost each step a round of gloo's
+ring over all ranks plus the ranks' skew: a few ms at 64 ranks, tens at 512 (`make bench-agreement`).
 
 From the first line of a training script (`lifecycle/early_signals.py`, imported before torch) the signals are recorded,
 and a signal that came before the first step stops the run where the ranks next agree (end of start_run, end of
@@ -16,6 +23,7 @@ A second Ctrl-C stops at once (KeyboardInterrupt), in one line.
 
 This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked.
 """
+import collections
 import contextlib
 import logging
 import multiprocessing
@@ -29,7 +37,9 @@ EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the submit scripts requeue the job o
 INTERRUPTED = ("interrupted by a second Ctrl-C: stopped at once, without a checkpoint; starting again resumes from "
                "the last one")
 
+AGREEMENT_LAG = 2  # step boundaries between a rank's report of a signal and the stop all ranks agree on
 _state = {"received": None, "agreed": None, "pid": None, "early": False, "previous": {}, "waiting_in": None}
+_in_flight = collections.deque()  # agreements started at the last boundaries (utils.comm.HostMax), oldest first
 
 
 def _record(signum, frame):
@@ -74,6 +84,7 @@ def install():
     (a new run in the same process forgets an old one); `uninstall()` puts the old handlers back."""
     kept = _state["received"] if _state["early"] and _state["pid"] == os.getpid() else None
     _state.update(received=kept, agreed=None, pid=os.getpid(), early=False)
+    _in_flight.clear()
     for signum in STOP_SIGNALS:
         _handle(signum)
 
@@ -93,6 +104,38 @@ def agreed():
     if number:
         _state["agreed"] = signal.Signals(number).name
     return _state["agreed"]
+
+
+def agreed_in_loop():
+    """agreed() for the training loop's step boundaries, without a wait: this boundary's all-reduce is started and
+    the one started AGREEMENT_LAG boundaries before is read (a single process reads its own at once). Every rank
+    must ask at every boundary; the signal's name once the ranks agree on one, else None."""
+    from utils import comm
+    _in_flight.append(comm.HostMax(_state["received"] or 0))
+    lag = AGREEMENT_LAG if comm.get_world_size() > 1 and not comm.is_dry_run() else 0
+    number = 0
+    while len(_in_flight) > lag:
+        number = max(number, _in_flight.popleft().wait())
+    if number and _state["agreed"] is None:
+        _state["agreed"] = signal.Signals(number).name
+    return _state["agreed"]
+
+
+def settle():
+    """After the loop's last boundary (every rank at the same one): wait for the agreements still in flight, so
+    that none is left in gloo when the process group goes. A signal they carry came in the last AGREEMENT_LAG steps,
+    after the ranks had agreed to stop for another reason: the run ends as it would have, and says so."""
+    number = 0
+    while _in_flight:
+        number = max(number, _in_flight.popleft().wait())
+    if number and _state["agreed"] is None and os.environ.get("RANK", "0") == "0":
+        logging.info(f"{signal.Signals(number).name} came in the run's last steps, after it had decided to stop "
+                     "here: it changes nothing")
+
+
+def received():
+    """The name of the signal this process received, agreed on or not (None: none)."""
+    return signal.Signals(_state["received"]).name if _state["received"] else None
 
 
 def stopped_by():

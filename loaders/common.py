@@ -44,6 +44,17 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self):
         return iter(list(super().__iter__())[self.skip:])
 
+    def real_samples(self):
+        """How many of the samples __iter__ yields are the data set's own; the rest, always the last ones, are
+        padding. Without drop_last (validation) DistributedSampler makes the order of the N samples a multiple of
+        the ranks R by repeating its first ones at the end, then deals it out: this rank's k-th sample is place
+        rank + k * R of that order, a repeat when the place is N or more. So the rank holds
+        ceil((N - rank) / R) real samples, then padding (one sample on the ranks from N mod R on, when R does not
+        divide N). loop/reporting.validate weighs the padding zero, so every sample counts once."""
+        real = self.num_samples if self.drop_last else \
+            min(self.num_samples, max(0, -(-(len(self.dataset) - self.rank) // self.num_replicas)))
+        return max(0, real - self.skip)
+
 
 def split_batch_size(params, train):
     """Samples per batch on this rank: the local batch size, for validation `valid_batch_size_per_gpu` if set."""

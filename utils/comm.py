@@ -243,6 +243,25 @@ def max_over_ranks_on_host(value):
     return int(tensor.item())
 
 
+class HostMax:
+    """max_over_ranks_on_host(value), started now and read later: the all-reduce runs in gloo's own thread while
+    the rank goes on (lifecycle/signals.py starts one at a step boundary and reads it some boundaries later, so no
+    step waits for it). Every rank must start the same sequence of them; a single process's is its own value."""
+
+    def __init__(self, value):
+        self.tensor = torch.tensor([value], dtype=torch.int64)
+        self.work = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and not is_dry_run():
+            self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, group=_host.get("group"), async_op=True)
+
+    def wait(self):
+        """The largest value over every rank (waits for the all-reduce if it has not finished)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return int(self.tensor.item())
+
+
 def all_reduce_min(tensor):
     """Minimum over every rank (an agreement all ranks act on, e.g. to stop together)."""
     if dist.is_initialized():
