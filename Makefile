@@ -39,7 +39,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # every test that runs in this one process (no training ranks, commands or loader workers): 2.5 minutes on 2 cores
 test-fast: lint

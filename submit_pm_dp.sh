@@ -43,7 +43,8 @@ fi
 
 set -x
 # the command travels as positional parameters of `bash -c` (never re-parsed: spaces and quotes survive)
+# --kill-on-bad-exit=1: one rank's error ends every rank at once (not at NCCL's 10-minute timeout), its line last
 # shellcheck disable=SC2016  # $@ is expanded by the inner bash, after export_DDP_vars.sh
-srun -u shifter "${shifter_args[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' bash "${command[@]}"
+srun -u --kill-on-bad-exit=1 shifter "${shifter_args[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' bash "${command[@]}"
 # 75: stopped by the time-limit warning (--signal above) with a checkpoint: the job requeues itself and resumes
 requeue_or_exit $?

@@ -210,6 +210,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     rng_states = checkpoint["rng_states"]
     set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
     start_iter = checkpoint["iteration"]
+    comm.note_checkpoint(path, start_iter)
     logging.info(f"Resumed from {path} at iteration {start_iter}")
     written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
     if isinstance(written_at, dict) and written_at != dataclasses.asdict(comm.get_layout()):
@@ -237,6 +238,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params, "layout": dataclasses.asdict(comm.get_layout())}  # the model is serial
     comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
+    comm.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
 
 

@@ -38,7 +38,8 @@ INTERRUPTED = ("interrupted by a second Ctrl-C: stopped at once, without a check
                "the last one")
 
 AGREEMENT_LAG = 2  # step boundaries between a rank's report of a signal and the stop all ranks agree on
-_state = {"received": None, "agreed": None, "pid": None, "early": False, "previous": {}, "waiting_in": None}
+_state = {"received": None, "agreed": None, "pid": None, "early": False, "previous": {}, "waiting_in": None,
+          "parent": None}
 _in_flight = collections.deque()  # agreements started at the last boundaries (utils.comm.HostMax), oldest first
 
 
@@ -83,7 +84,7 @@ def install():
     """Record SIGTERM, SIGINT and SIGUSR1 from now on (main thread), keeping one recorded since `record_from_start()`
     (a new run in the same process forgets an old one); `uninstall()` puts the old handlers back."""
     kept = _state["received"] if _state["early"] and _state["pid"] == os.getpid() else None
-    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False)
+    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False, parent=os.getppid())
     _in_flight.clear()
     for signum in STOP_SIGNALS:
         _handle(signum)
@@ -106,11 +107,29 @@ def agreed():
     return _state["agreed"]
 
 
+def launcher_gone():
+    """Whether the process that started this one (torchrun, srun's step, a shell) has died since install(): the
+    kernel then hands this process to another parent. torchrun forwards only SIGTERM, SIGINT, SIGHUP and SIGQUIT, so
+    Slurm's SIGUSR1 (or `scancel -s USR1`) to the step kills it outright, while its ranks, each in a session of its
+    own, never hear of it: they would train to the end as orphans, holding the run lock, and nothing would requeue."""
+    return _state["parent"] is not None and os.getppid() != _state["parent"]
+
+
+def _notice_a_dead_launcher():
+    """A launcher that died stops the run as SIGHUP would (the signal of a lost controlling process): after this
+    step, with a checkpoint, exit 75."""
+    if _state["received"] is None and launcher_gone():
+        _state["received"] = signal.SIGHUP
+        logging.warning(f"the launcher (process {_state['parent']}) is gone: stopping after this step, with a "
+                        "checkpoint")
+
+
 def agreed_in_loop():
     """agreed() for the training loop's step boundaries, without a wait: this boundary's all-reduce is started and
     the one started AGREEMENT_LAG boundaries before is read (a single process reads its own at once). Every rank
     must ask at every boundary; the signal's name once the ranks agree on one, else None."""
     from utils import comm
+    _notice_a_dead_launcher()
     _in_flight.append(comm.HostMax(_state["received"] or 0))
     lag = AGREEMENT_LAG if comm.get_world_size() > 1 and not comm.is_dry_run() else 0
     number = 0

@@ -14,20 +14,24 @@ Unknown group names have size 1 and rank 0, so code written for tp and cp also r
 import contextlib
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from utils import rendezvous
 from utils.compat import join_fake_process_group
-from utils.errors import OneRankError, UserError, register_cleanup
+from utils.errors import PEER_LOST, OneRankError, UserError, on_job_failures, register_cleanup
 from utils.layout import Layout
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
 _groups = {}
 _layout = {"now": Layout()}  # this run's layout (serial until init)
 GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
-_host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads; not a named group
+_host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads; not a named group;
+# "store": the rendezvous store, where a failing rank leaves its note; "checkpoint": the last one written or resumed
+LOST_PEER_CENSUS_S = 1.0  # how long the ranks that lost a peer wait for each other's note before naming the lost
+LOST_PEER_LINGER_S = 3.0  # how long rank 0 keeps the store up for the others' questions after a failure
 
 
 def get_world_size():
@@ -171,8 +175,10 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        rendezvous.init_process_group(settings, world_size, "nccl" if device.type == "cuda" else "gloo",
-                                      gpu_id(device), rendezvous_timeout)
+        _host["store"] = rendezvous.init_process_group(settings, world_size,
+                                                       "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
+                                                       rendezvous_timeout)
+        on_job_failures(announce_failure, explain_lost_peer)
     if dist.is_initialized():
         _build_groups(generator)
     if get_world_rank() == 0:
@@ -300,8 +306,89 @@ def destroy():
     _groups.clear()
     _host.clear()
     _layout["now"] = Layout()
+    on_job_failures()  # a later error of this process is no longer a peer's
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def note_checkpoint(path, iteration):
+    """The checkpoint a restart would resume from (written or resumed), for the line of a rank that lost a peer."""
+    _host["checkpoint"] = f"'{path}' (iteration {iteration})"
+
+
+def announce_failure(message):
+    """A rank that stops on a OneRankError (utils/errors.py, after printing its line): note it in the rendezvous
+    store, then leave the process group, which closes this rank's connections: the other ranks' next collective
+    fails at once (gloo), or is aborted (NCCL, where torch can abort), instead of waiting for NCCL's timeout; they
+    read the note and exit without a line of their own (explain_lost_peer), so this rank's line is the job's last
+    word. On a cluster `srun --kill-on-bad-exit=1` (the submit scripts) ends the others as well."""
+    store = _host.get("store")
+    rank, world = get_world_rank(), world_size_to_be()
+    try:
+        if store is not None:
+            store.set("failed", str(rank))
+    except (RuntimeError, OSError):  # the store went with its host: the others will find out by themselves
+        store = None
+    _groups.clear()
+    _host.pop("group", None)
+    if dist.is_initialized():
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6; NCCL without a wait
+        if abort is not None and dist.get_backend() == "nccl":
+            abort()
+        else:
+            dist.destroy_process_group()
+    if rank == 0 and store is not None:
+        try:
+            linger_for_the_others(store, world)  # the others read the note from the store this process holds
+        except (RuntimeError, OSError):
+            pass
+
+
+def explain_lost_peer(err):
+    """This rank's line when a collective failed because another rank is gone (utils/errors.py), or None: the rank
+    that failed said why (its note in the store), or a lower surviving rank says it. The survivors mark themselves
+    in the store and wait LOST_PEER_CENSUS_S for each other; the ranks without a mark are the lost ones. Rank 0,
+    whose process holds the store unless torchrun's agent does, waits (at most LOST_PEER_LINGER_S) until every rank
+    has marked itself or its failure, so the store outlives the others' questions. A store that cannot be reached
+    went with its host, rank 0: then the first rank of each node says so."""
+    rank, world = get_world_rank(), world_size_to_be()
+    cause = next((pattern for pattern in PEER_LOST if pattern in str(err)), "a collective failed")
+    store = _host.get("store")
+    try:
+        store.set(f"alive/{rank}", "1")
+        deadline = time.time() + LOST_PEER_CENSUS_S
+        while time.time() < deadline and not store.check(["failed"]):
+            time.sleep(0.05)
+        failed = store.check(["failed"])
+        marked = [other for other in range(world) if other == rank or store.check([f"alive/{other}"])]
+        if rank == 0:
+            linger_for_the_others(store, world)
+    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return None
+        failed, marked = False, [other for other in range(world) if other != 0]
+    if failed or rank != min(marked):
+        return None  # the failing rank's line says why, or a lower surviving rank's
+    lost = [other for other in range(world) if other not in marked]
+    named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+    who = f"rank{'s' if len(lost) > 1 else ''} {named}" if lost else "another rank"
+    resume = _host.get("checkpoint")
+    again = f"starting again resumes from {resume}" if resume else "no checkpoint was written yet"
+    return (f"rank {rank}: {who} stopped answering in a collective ({cause}) without a line of its own (killed, "
+            f"out of memory, or its node failed); the job stops; {again}")
+
+
+def linger_for_the_others(store, world):
+    """Rank 0 leaving on a failure: wait (at most LOST_PEER_LINGER_S) until every rank has marked itself alive or
+    failed in the store its process may hold, so that none finds the store gone while it asks."""
+    deadline = time.time() + LOST_PEER_LINGER_S
+    failed = store.check(["failed"])
+    while time.time() < deadline:
+        failing = int(store.get("failed")) if failed else None
+        if all(other == failing or store.check([f"alive/{other}"]) for other in range(world)):
+            return
+        time.sleep(0.05)
+        failed = failed or store.check(["failed"])
 
 
 def synchronize(device):

@@ -9,6 +9,11 @@ import sys
 
 _cleanups = []
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# what a collective raises on a rank whose peer is gone (gloo's sockets closed by the peer's exit or abort; NCCL's
+# communicator aborted, or its watchdog's timeout)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
+             "NCCL communicator", "Watchdog caught collective operation timeout")
+_job = {}  # "announce": a OneRankError to the other ranks, then leave; "explain": a lost peer in one line or None
 
 
 def register_cleanup(function):
@@ -25,6 +30,21 @@ class UserError(Exception):
 class OneRankError(UserError):
     """A mistake one rank may find alone (a sample of its shard that cannot be read, its wait for rank 0, its node's
     GPU or shared memory): printed by the rank that finds it, whatever its rank, naming the rank."""
+
+
+def on_job_failures(announce=None, explain=None):
+    """utils/comm.py, once in a process group: `announce(message)` tells the other ranks that this rank stops on a
+    OneRankError (and leaves the group, so that they stop at once instead of waiting in a collective);
+    `explain(err)` turns a collective that failed because a peer is gone into this rank's one line, or None when the
+    peer said why itself (its line is the job's last word). Without arguments (the group left): forget them."""
+    _job.clear()
+    if announce is not None:
+        _job.update(announce=announce, explain=explain)
+
+
+def lost_peer(err):
+    """Whether `err` is a collective's failure because another rank is gone."""
+    return isinstance(err, RuntimeError) and any(pattern in str(err) for pattern in PEER_LOST)
 
 
 def prints_here(err):
@@ -54,6 +74,15 @@ def exit_on_user_error(main):
                         not message.startswith("rank "):
                     message = f"rank {os.environ.get('RANK', '0')}: {message}"  # which of the job's ranks found it
                 print(f"error: {message}", file=sys.stderr, flush=True)
+                if isinstance(err, OneRankError) and "announce" in _job:
+                    _job["announce"](message)  # the others stop now, not at NCCL's timeout
+            sys.exit(2)
+        except RuntimeError as err:
+            if not lost_peer(err) or "explain" not in _job:
+                raise
+            line = _job["explain"](err)
+            if line:
+                print(f"error: {line}", file=sys.stderr, flush=True)
             sys.exit(2)
         finally:
             while _cleanups:

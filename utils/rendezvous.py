@@ -28,7 +28,7 @@ def launch_settings(world_size, timeout_s):
 def init_process_group(settings, world_size, backend, gpu, timeout_s):
     """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
     `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
-    process group."""
+    process group. Returns the rendezvous store (the ranks' notes when one of them fails: utils/comm.py)."""
     rank, addr, port = settings
     logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                  f"(timeout {timeout_s:g} s, --dist_timeout)")
@@ -50,6 +50,7 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s):
         check_one_rank_per_gpu(store, world_size, gpu, timeout_s)
     dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                             world_size=world_size)
+    return store
 
 
 def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):

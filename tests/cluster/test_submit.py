@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -458,3 +459,30 @@ def test_shell_scripts_are_shellcheck_clean():
             "scontrol"} <= {os.path.basename(path) for path in scripts}
     result = subprocess.run([shellcheck, *scripts], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("script", SUBMIT_SCRIPTS)
+def test_every_submit_script_ends_all_ranks_when_one_fails(script):
+    """srun --kill-on-bad-exit=1: one rank's error (a OneRankError, exit 2) ends the others at once, instead of
+    their waiting in a collective until NCCL's timeout (Slurm's default lets them run on)."""
+    with open(os.path.join(REPO_ROOT, script)) as f:
+        sruns = [line for line in f if line.startswith("srun ")]
+    assert len(sruns) == 1 and " --kill-on-bad-exit=1 " in sruns[0], sruns
+
+
+@pytest.mark.parametrize("flag, stops_the_other", [("--kill-on-bad-exit=1", True), (None, False)])
+@pytest.mark.multiprocess
+def test_the_srun_stand_in_kills_the_other_tasks_only_when_asked(tmp_path, flag, stops_the_other):
+    """The stand-in the script tests run under models the flag, so those tests can fail without it: task 1 exits 3,
+    task 0 would sleep for 20 s."""
+    env = dict(os.environ, SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2")
+    command = ["sh", "-c", 'if [ "$SLURM_PROCID" = 1 ]; then exit 3; fi; exec sleep 20']
+    start = time.time()
+    try:
+        result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "cluster", "fakebin", "srun"),
+                                 *([flag] if flag else []), *command], env=env, capture_output=True, text=True,
+                                timeout=8)
+        ended = True
+    except subprocess.TimeoutExpired:
+        ended = False
+    assert ended == stops_the_other and (not ended or result.returncode == 3), time.time() - start

@@ -362,3 +362,74 @@ def test_who_prints_a_mistake(monkeypatch, capsys, rank, error, printed):
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2 and capsys.readouterr().err == printed
+
+
+ORPHAN_SCRIPT = """\
+import sys
+sys.path.insert(0, {root!r})
+import lifecycle.signals
+import train
+if {switched_off}:
+    lifecycle.signals.launcher_gone = lambda: False
+train.main(sys.argv[1:])
+"""
+
+
+def ranks_of(marker):
+    """The pids of the processes whose command line holds `marker` (the run's own --expdir)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and int(pid) != os.getpid():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, tmp_path, switched_off):
+    """Slurm's warning signal to a step run by torchrun: torchrun does not forward SIGUSR1 and dies of it, while its
+    two ranks, each in a session of its own, never hear of it. Each rank notices its launcher is gone at the next
+    step boundary and stops as if signalled: a checkpoint, `stopped by SIGHUP`, the run lock released. Twin, with
+    that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
+    script = tmp_path / "rank.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=switched_off))
+    expdir = str(tmp_path / f"orphans_{switched_off}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("WORLD_SIZE", None)
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                     "--master_port", str(free_port()), str(script), "--config", "tiny",
+                                     "--data_dir", era5_dir, "--num_iters", "100000", "--checkpoint_interval", "0",
+                                     "--num_data_workers", "0", "--expdir", expdir], cwd=REPO_ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = [pid for pid in ranks_of(expdir) if pid != launcher.pid]
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGUSR1)
+        assert launcher.wait(timeout=30) == -signal.SIGUSR1  # torchrun's fate: no handler for it
+        deadline = time.time() + (15 if switched_off else 120)
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        running = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        output = log_path.read_text()
+        if switched_off:
+            assert len(running) == 2 and "stopped by" not in output, output[-3000:]
+            return
+        assert not running, output[-3000:]
+        iteration = stopped_at(output, "SIGHUP")
+        assert "the launcher (process" in output and "Traceback" not in output, output[-3000:]
+        checkpoint = os.path.join(expdir, "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
+        assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+    finally:
+        for pid in ranks_of(expdir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -54,3 +54,25 @@ def test_the_benchmark_writes_both_ways_for_each_number_of_ranks(tmp_path, monke
     found = json.loads(out.read_text())
     assert [row["ranks"] for row in found["rows"]] == [2, 8] and calls == [(2, 0.005, 10), (8, 0.005, 10)]
     assert found["agreement_lag"] == signals.AGREEMENT_LAG and found["signal_at_step"] == 5
+
+
+def test_the_committed_measurement_is_the_one_docs_show():
+    """docs/benchmarks.md's table is bench_results/stop_agreement.json's rows (make bench-agreement), and there
+    every rank stopped at the same step both ways, the in-loop way AGREEMENT_LAG steps later."""
+    import json
+    import os
+
+    from tests.conftest import REPO_ROOT
+    with open(os.path.join(REPO_ROOT, "bench_results", "stop_agreement.json")) as f:
+        found = json.load(f)
+    with open(os.path.join(REPO_ROOT, "docs", "benchmarks.md")) as f:
+        doc = f.read()
+    assert [row["ranks"] for row in found["rows"]] == [2, 8, 16]
+    for row in found["rows"]:
+        blocking, in_loop = row["blocking"], row["in loop"]
+        assert blocking["same_stop_on_every_rank"] and in_loop["same_stop_on_every_rank"]
+        assert in_loop["stopped_at"][0] == blocking["stopped_at"][0] + found["agreement_lag"]
+        line = (f"| {row['ranks']} | {blocking['ms_per_step']['mean']:.2f} | {blocking['ms_per_step']['p99']:.1f} | "
+                f"{in_loop['ms_per_step']['mean']:.2f} | {in_loop['ms_per_step']['p99']:.1f} | "
+                f"{blocking['stopped_at'][0]} / {in_loop['stopped_at'][0]} |")
+        assert line in doc, line
