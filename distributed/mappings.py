@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.helpers import compute_split_shapes, gather, reduce, reduce_scatter, split
 from utils import comm
+from utils.compat import ddp_buffer_sync
 
 
 class _CopyToParallelRegion(torch.autograd.Function):
@@ -184,7 +185,7 @@ def init_ddp_model_and_reduction_hooks(model, device_ids, output_device, bucket_
         return model
     ddp = DistributedDataParallel(model, device_ids=device_ids, output_device=output_device,
                                   process_group=comm.get_group("dp"), bucket_cap_mb=bucket_cap_mb,
-                                  broadcast_buffers=broadcast_buffers and comm.get_size("cp") == 1,
+                                  **ddp_buffer_sync(broadcast_buffers and comm.get_size("cp") == 1),
                                   find_unused_parameters=find_unused_parameters,
                                   gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
     # (a dry run's stand-in ranks hand back no bucket from DDP's own all-reduce: the hook returns the bucket itself)

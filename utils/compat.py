@@ -4,6 +4,7 @@ container's (nersc/pytorch:24.08.01, torch 2.5; `make test-compat` runs the comp
 Each entry names the version that changed the behaviour, so it can go when the oldest version we serve has it.
 """
 import contextlib
+import inspect
 
 import torch
 
@@ -46,3 +47,14 @@ def join_fake_process_group(rank, world_size):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def ddp_buffer_sync(every_forward):
+    """DistributedDataParallel's keyword that syncs the buffers (BatchNorm's running statistics) from the group's
+    first rank before each forward (`--disable_broadcast_buffers` switches it off): `forward_sync_buffers` where
+    torch has it (the pinned torch deprecates `broadcast_buffers`, with a FutureWarning in every DDP run), else
+    `broadcast_buffers` (torch 2.5). The new keyword still syncs once when DDP is built, which the old one's False
+    skipped; that changes nothing here: every rank of a "dp" group builds or restores the same buffers."""
+    parameters = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers": every_forward}
+
