@@ -134,6 +134,23 @@ def transform_into(out, volume, plan, scratch):
         np.copyto(out, np.flip(volume, axis=tuple(axis + 1 for axis in mirrored)) if mirrored else volume)
 
 
+def contiguous_map(path, dataset):
+    """A read-only numpy memory map of HDF5 `dataset` at its byte offset in `path`, or None where its values are not
+    one plain C-order array in the file (chunked or compressed, compact, external, not yet written, or not plain
+    numbers): h5py's reader serves those. A crop window is then a strided view, and copying it out of the page cache
+    costs one memcpy per row, where h5py walks a selection of tens of thousands of short rows (docs/loaders.md)."""
+    plist = dataset.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count() or \
+            dataset.dtype.kind not in "fiu":
+        return None
+    nbytes = dataset.dtype.itemsize * int(np.prod(dataset.shape))
+    offset = dataset.id.get_offset()  # from the file's first byte (a user block included)
+    # a dataset never written has no storage (and an offset that means nothing)
+    if offset is None or dataset.id.get_storage_size() != nbytes or offset + nbytes > os.path.getsize(path):
+        return None
+    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+
+
 class CropSampler(ResumableSampler):
     """The sampler's indices as keys (epoch, index): a crop depends on both, and a loader worker process, which
     never sees set_epoch, gets the epoch with each key."""
@@ -169,6 +186,7 @@ class CosmoDataset(Dataset):
         self.file_pid = None
         self.scratch = None  # reusable buffers of __getitems__, allocated on first use in each process
         self.memmaps = None  # (pid, memory maps of the .npy copies) in dali-lowmem mode, opened on first use
+        self.h5maps = None  # (pid, memory maps of the HDF5 datasets, or None each) in lowmem mode, the same way
 
         if self.mode == "synthetic":
             edge = params.get("synthetic_box_size", 128)
@@ -267,8 +285,7 @@ class CosmoDataset(Dataset):
         if self.mode == "dali-lowmem":  # channels-last copies: read the window, then channels first
             return tuple(np.moveaxis(self._memmap(which)[spatial], -1, 0) for which in (0, 1))
         try:
-            inp = self._field(INPUT_FIELD)[window].astype(np.float32, copy=False)
-            tar = self._field(TARGET_FIELD)[window].astype(np.float32, copy=False)
+            inp, tar = (self._source(which)[window].astype(np.float32, copy=False) for which in (0, 1))
         except OSError as err:  # damaged after the start-up check
             raise OneRankError(f"HDF5 file '{self.path}' cannot be read at crop {z, y, x} ({err}); copy it again "
                             f"or {COSMO_HINT}") from None
@@ -280,6 +297,18 @@ class CosmoDataset(Dataset):
             self.file = h5py.File(self.path, "r")
             self.file_pid = os.getpid()
         return self.file[name]
+
+    def _source(self, which):
+        """What lowmem reads input (0) or target (1) from: the memory map of the HDF5 dataset, or the dataset."""
+        h5map = self._h5map(which)
+        return h5map if h5map is not None else self._field((INPUT_FIELD, TARGET_FIELD)[which])
+
+    def _h5map(self, which):
+        """contiguous_map of input (0) or target (1) in the HDF5 file, or None (read with h5py), once per process."""
+        if self.h5maps is None or self.h5maps[0] != os.getpid():
+            self.h5maps = (os.getpid(), [contiguous_map(self.path, self._field(name))
+                                         for name in (INPUT_FIELD, TARGET_FIELD)])
+        return self.h5maps[1][which]
 
     def _memmap(self, which):
         """Memory map of the .npy copy of input (0) or target (1), opened once per process: a map opened per read
@@ -298,12 +327,21 @@ class CosmoDataset(Dataset):
         """out (C, d, d, d) = the crop of `plan` from input (which=0) or target (1): the window is read into `out`
         itself when the crop is not turned, else into a reusable buffer and turned while copied into `out`. In
         lowmem mode h5py's read_direct reads it; in dali-lowmem mode it is copied out of the .npy memory map,
-        channels moved first on the way."""
+        channels moved first on the way. In lowmem mode a contiguous HDF5 dataset is read through its memory map
+        (contiguous_map) and turned straight out of it, where h5py's read_direct serves the others."""
         z, y, x = plan.corner
         d = self.crop_size
         read, *steps = self._scratch(out.size)
         untouched = plan_turn(plan) == ((0, 1, 2), ())
         window = out if untouched else read[:out.size].reshape(out.shape)
+        h5map = self._h5map(which) if self.mode == "lowmem" else None
+        if h5map is not None:  # the window is a view of the page cache: turned (or copied) from there at once
+            source = h5map[:, z:z + d, y:y + d, x:x + d]
+            if untouched:
+                np.copyto(out, source, casting="unsafe")
+            else:
+                transform_into(out, source, plan, steps)
+            return
         if self.mode == "dali-lowmem":
             memmap = self._memmap(which)
             np.copyto(window, np.moveaxis(memmap[z:z + d, y:y + d, x:x + d], -1, 0))
@@ -357,16 +395,15 @@ class CosmoDataset(Dataset):
     def __getitem__(self, key):
         plan = self.plan(key)
         inp, tar = (transform(volume, plan) for volume in self._read(plan.corner))
-        if self.mode == "lowmem":  # fresh arrays from disk: copied only if rotated or flipped
-            inp, tar = np.ascontiguousarray(inp), np.ascontiguousarray(tar)
-        else:  # views of a volume in memory or of a memory map: always copied, never handed out
-            inp, tar = np.array(inp, order="C"), np.array(tar, order="C")
+        # views of a volume in memory or of a memory map, or arrays read by h5py: copied (this is not the loader's
+        # path, which reads whole batches with __getitems__)
+        inp, tar = np.array(inp, order="C"), np.array(tar, order="C")
         return torch.from_numpy(inp), torch.from_numpy(tar)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["file"] = None  # an open h5py file cannot be pickled to worker processes (spawn)
-        state["scratch"] = state["memmaps"] = None  # each process makes its own
+        state["scratch"] = state["memmaps"] = state["h5maps"] = None  # each process makes its own
         return state
 
 
