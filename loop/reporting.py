@@ -220,10 +220,12 @@ def validate(model, valid_loader, to_device, loss_fn, metrics_fn, autocast, grou
                 # rows times their number is their sum; only a batch holding padding (a rank has at most one
                 # padded sample, the last of its pass) computes it on a slice. The metrics are per sample: their
                 # real rows are summed.
-                loss = loss_fn(gen[:real], tar[:real]).float() * real if real else \
+                whole = real == rows  # no padding: nothing sliced (the common case; a slice is a copy on some paths)
+                loss = (loss_fn(gen, tar) if whole else loss_fn(gen[:real], tar[:real])).float() * real if real else \
                     torch.zeros((), device=inp.device)
             values = {"loss": loss, "count": torch.tensor(float(real), device=loss.device)}
-            values.update({tag: metric.float()[:real].sum() for tag, metric in metrics_fn(gen, tar).items()})
+            values.update({tag: (metric.float() if whole else metric.float()[:real]).sum()
+                           for tag, metric in metrics_fn(gen, tar).items()})
             sums = values if sums is None else {k: sums[k] + values[k] for k in sums}
     totals = comm.all_reduce_sum(torch.stack(list(sums.values())), group)
     means = {key: (total / totals[1]).item() for key, total in zip(sums, totals)}

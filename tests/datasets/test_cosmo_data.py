@@ -16,6 +16,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import numpy.testing  # noqa: F401  here, as numpy < 2.1 runs lscpu on this import: a process tests may not start
 import pytest
 import torch
 

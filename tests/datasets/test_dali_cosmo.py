@@ -13,6 +13,7 @@ loaders/cosmo.py; the benchmark test to benchmarks/bench_loader.py.
 import os
 import sys
 
+import numpy.testing  # noqa: F401  here, as numpy < 2.1 runs lscpu on this import: a process tests may not start
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

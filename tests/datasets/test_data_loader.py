@@ -1,6 +1,7 @@
 """ERA5 dataset: pairing, boundary rule, normalisation, limits, bad files. Failures point to loaders/era5.py."""
 import h5py
 import numpy as np
+import numpy.testing  # noqa: F401  here, as numpy < 2.1 runs lscpu on this import: a process tests may not start
 import pytest
 import torch
 

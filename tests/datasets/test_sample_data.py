@@ -8,6 +8,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import numpy.testing  # noqa: F401  here, as numpy < 2.1 runs lscpu on this import: a process tests may not start
 import pytest
 
 from sample_data.common import SampleDataError

@@ -24,6 +24,10 @@ import sys
 
 PINNED_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
               "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+# what torch.backends.cpu.get_cpu_capability() calls ATen's DEFAULT capability (its kernels without vector
+# extensions): "DEFAULT", or "NO AVX" on the x86 builds of older torch (2.5.1, the tutorial container's); the pinned
+# torch's library has no "NO AVX", and no other capability goes by either name
+DEFAULT_CAPABILITY = ("DEFAULT", "NO AVX")
 
 
 def pin():
@@ -34,7 +38,7 @@ def pin():
     torch.backends.mkldnn.enabled = False
     torch.backends.nnpack.set_flags(False)
     torch.set_num_threads(1)
-    assert torch.backends.cpu.get_cpu_capability() == "DEFAULT", torch.backends.cpu.get_cpu_capability()
+    assert torch.backends.cpu.get_cpu_capability() in DEFAULT_CAPABILITY, torch.backends.cpu.get_cpu_capability()
 
 
 def main():
