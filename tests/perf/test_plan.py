@@ -1,4 +1,4 @@
-"""The performance model's time and memory (benchmarks/perf_model.predict) and the layout planner (benchmarks/plan.py):
+"""The performance model's time and memory (benchmarks/perf_model.predict) and the layout planner (planning/plan.py):
 
 - the published GPU runs (the original tutorial's README, A100 on Perlmutter): samples/s within 25% and the memory
   line within 15% (of the predicted peak: the line reads NVML at the second step, when the allocator's cache holds
@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from benchmarks import perf_model, plan
-from benchmarks.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
+from planning import perf_model, plan
+from planning.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
 from tests.conftest import REPO_ROOT
 from utils.layout import Layout
 from utils.YParams import YParams
@@ -175,7 +175,7 @@ def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
 @pytest.mark.multiprocess
 def test_make_plan_prints_the_json_last():
     """The command as `make plan` runs it, in its own process."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--config", "mp", "--gpus", "4", "--plan",
+    out = subprocess.run([sys.executable, "-m", "planning.plan", "--config", "mp", "--gpus", "4", "--plan",
                           "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()

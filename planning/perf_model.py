@@ -17,7 +17,7 @@ built). First the counts:
 Then a roofline of one training step on a GPU (`predict`): the counts above, the work each kind of kernel does
 (GEMMs and FlashAttention on the tensor cores, softmax on the CUDA cores, elementwise kernels on HBM bandwidth),
 ring collectives on NVLink or the NIC as `--parallel_order` places each group, DDP's all-reduce overlapped with the
-backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). benchmarks/plan.py
+backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). planning/plan.py
 (`make plan`) is its command; docs/perf_model.md compares it with the published runs.
 
 Checked against the real model, the flop counter and the collectives on gloo in tests/perf/test_perf_model.py; the
@@ -483,5 +483,5 @@ def predicted_memory_line(params, layout, ddp=True):
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
     memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
-    return (f"Predicted memory of the tensors (benchmarks/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
+    return (f"Predicted memory of the tensors (planning/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
             f"the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")

@@ -1,9 +1,9 @@
-"""Plan a model-parallel layout before spending GPU hours: the performance model (benchmarks/perf_model.py) predicts
+"""Plan a model-parallel layout before spending GPU hours: the performance model (planning/perf_model.py) predicts
 memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout on a table of GPUs.
 
     make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
     make plan ARGS="--config mp --gpus 16 --plan"                         # every layout that fits, fastest first
-    python -m benchmarks.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
+    python -m planning.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
     make plan ARGS="--config mp --gpus 16 --plan --measure"              # + the first 3 measured by dry runs
 
 The flags are train_mp.py's (--yaml_config --config --tensor_parallel --context_parallel --parallel_order --amp_mode
@@ -13,7 +13,7 @@ is one JSON object: the prediction, or with --plan {"layouts": [...]}, each with
 layout flags given are kept and the others are tried: every tp and cp that divide, and the memory flags. Each layout
 comes with the sbatch line that runs it (submit_pm_mp.sh: nodes of 4 GPUs). Predictions, not measurements:
 docs/perf_model.md says what the model counts and how it compares with the published runs. --measure K runs rank 0
-of the first K layouts on this machine (train_mp.py --dry_run: benchmarks/dry_run.py) and prints what it holds
+of the first K layouts on this machine (train_mp.py --dry_run: planning/dry_run.py) and prints what it holds
 and how long its step computes beside the prediction.
 """
 import itertools
@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from benchmarks.common import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
-from benchmarks.perf_model import (
+from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
+from planning.perf_model import (
     GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
