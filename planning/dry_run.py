@@ -33,12 +33,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100": "A100-40GB"}
 
 
+def gpu_system(name):
+    """The performance model's system of a GPU named `name` (torch.cuda.get_device_name), or None (unknown)."""
+    return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
+
+
 def system_of(device):
     """The performance model's system for this GPU (its name), or None (a CPU, or a GPU it does not know)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
+    return gpu_system(torch.cuda.get_device_name(device))
 
 
 def predicted(params, layout, device, ddp=True):
