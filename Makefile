@@ -96,7 +96,7 @@ bench-dry-run: install
 # the performance model: memory, communication and speed of a layout, or every layout of N GPUs (docs/perf_model.md)
 #   make plan ARGS="--config mp --gpus 16 --plan"      make plan ARGS=--published
 plan: install
-	$(PY) -m benchmarks.plan $(ARGS)
+	$(PY) -m planning.plan $(ARGS)
 
 bench-loader: install
 	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --repeats 5 --out bench_results/loader_era5.json

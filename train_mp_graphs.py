@@ -18,7 +18,6 @@ import logging
 
 import torch
 
-from benchmarks import dry_run, perf_model
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.helpers import init_params_for_shared_weights
 from distributed.parallelize import parallelize
@@ -47,6 +46,7 @@ from loop.reporting import (
     validate,
 )
 from networks import get_model
+from planning import dry_run, perf_model
 from task.loss import get_loss
 from task.metrics import get_train_metrics, get_valid_metrics
 from task.optim import get_lr_scheduler, get_optimizer
@@ -133,7 +133,7 @@ def main(argv=None):
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
     num_devices = devices_in_use(args, device)  # one per rank, or every visible GPU under DataParallel
-    if args.dry_run:  # one rank of the layout measured, the others stand-ins (benchmarks/dry_run.py), not training
+    if args.dry_run:  # one rank of the layout measured, the others stand-ins (planning/dry_run.py), not training
         return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype)

@@ -11,7 +11,8 @@ import datetime
 
 import torch
 
-from benchmarks.common import CPU_DRY_RUN_FLAGS, cpu_cores, device_name, dry_run_in_own_process
+from benchmarks.common import cpu_cores, device_name
+from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 

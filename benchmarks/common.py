@@ -1,7 +1,7 @@
 """What the benchmark commands share: the machine in words, a free port for torchrun, and for those that run the
 training scripts (gpu_check.py, bench_graph.py) sample data at the stages' sizes, generated once, one
-`--enable_benchy` run of a stage, and a dry run of train_mp.py in its own process (plan.py, bench_dry_run.py). No
-benchmark module imports another's helpers: shared ones live here."""
+`--enable_benchy` run of a stage. No benchmark module imports another's helpers: shared ones live here (the dry run
+in its own process, which the planner uses too, is planning/dry_run.py's)."""
 import json
 import os
 import platform
@@ -70,20 +70,3 @@ def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py
     with open(out + ".json") as f:
         bench_results = json.load(f)
     return {"ok": True, "seconds": time.time() - start, "command": " ".join(command[1:]), **bench_results}
-
-
-CPU_DRY_RUN_FLAGS = ["--local_batch_size", "1", "--amp_mode", "none"]  # a CPU: the smallest step, in fp32
-
-
-def dry_run_in_own_process(args, timeout=None):
-    """`train_mp.py --dry_run ... ARGS` on synthetic batches, in its own process (a process group is one per
-    process): (its JSON, the last line printed; None), or (None; the line it failed with)."""
-    command = [sys.executable, "train_mp.py", *args, "--data_loader_config", "synthetic"]
-    try:
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"no result within {timeout} s"
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        return None, (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return json.loads(lines[-1]), None

@@ -112,7 +112,7 @@ def model_parallel_parser(description):
     add("--fsdp", action="store_true", help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
     add("--dry_run", type=ranks, default=None, metavar="N",
         help="run one rank of this layout on N ranks in this one process (the others stand-ins whose collectives "
-             "move no data) and print its memory and compute time instead of training (benchmarks/dry_run.py); "
+             "move no data) and print its memory and compute time instead of training (planning/dry_run.py); "
              "without data, add --data_loader_config synthetic")
     add("--dry_run_rank", type=int, default=0, metavar="R", help="with --dry_run: the rank it runs, 0..N-1 (default 0)")
     return parser

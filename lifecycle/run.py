@@ -142,7 +142,7 @@ def start_run(args, params, layout):
         raise UserError("--dry_run_rank R picks the rank of a dry run; add --dry_run N (or drop --dry_run_rank)")
     if dry_run is not None and (args.resume or params.enable_benchy):
         raise UserError("--dry_run measures one rank of a layout without training; drop --resume and --enable_benchy")
-    if dry_run is not None:  # one rank of a layout, measured (benchmarks/dry_run.py): it writes nothing
+    if dry_run is not None:  # one rank of a layout, measured (planning/dry_run.py): it writes nothing
         signals.stop_before_training("start-up")
         return Run(args, params, device, exp_dir=None, checkpoint_path=None, rank=comm.get_world_rank())
     exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))

@@ -8,7 +8,7 @@ groups on the nodes. Three memory switches ride on it: sequence parallelism, act
 Every rule a layout must obey is one function in RULES, here and nowhere else. A rule needs some facts about the
 run (the world size, the model's heads, the global batch, ...) and is checked wherever those facts are known:
 comm.init checks the world size, the ViT its shape and dropout, parallelize the flags FSDP replaces, the batch
-split its batch, the planner (benchmarks/plan.py) every fact at once without starting a process. The rules that
+split its batch, the planner (planning/plan.py) every fact at once without starting a process. The rules that
 need no fact are checked whenever a Layout is made, so a Layout that exists is a layout that can run.
 """
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""train_mp.py --dry_run N (benchmarks/dry_run.py): one rank of an N-rank layout in one process, torch's fake process
+"""train_mp.py --dry_run N (planning/dry_run.py): one rank of an N-rank layout in one process, torch's fake process
 group standing in for the other ranks (utils/comm.join_dry_run).
 
 - Its memory is a real rank's: for tp2, cp2, tp2 x cp2 with sequence parallelism and checkpointing, and cp2 x dp2
@@ -9,7 +9,7 @@ group standing in for the other ranks (utils/comm.join_dry_run).
   nothing, and what cannot run is one line (exit 2), as train_mp.py refuses it.
 - It scales: rank 0 of the `mp` shape on 16 ranks (tp4 x cp4, local batch 1) runs on the CPU, and holds the bytes the
   performance model predicts.
-A failure points to benchmarks/dry_run.py, utils/comm.join_dry_run, or to a layer whose tensors depend on values
+A failure points to planning/dry_run.py, utils/comm.join_dry_run, or to a layer whose tensors depend on values
 that the stand-in ranks do not send.
 """
 import json
@@ -18,7 +18,7 @@ import os
 import pytest
 
 import train_mp
-from benchmarks import dry_run
+from planning import dry_run
 from tests.conftest import run_command
 from tests.parallel.test_fsdp import FSDP_ON_CPU
 from utils.errors import UserError

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import plan
 from lifecycle.cli import apply_overrides, model_parallel_parser, training_parser
+from planning import plan
 from utils import comm, layout
 from utils.errors import UserError
 from utils.layout import RULES, Layout
@@ -103,7 +103,7 @@ def test_comm_parallelize_and_the_batch_split_ask_the_layout(monkeypatch):
 
 
 def test_the_planner_refuses_with_the_same_lines():
-    """benchmarks/plan.py checks a layout with the same object: its refusal is the training script's line."""
+    """planning/plan.py checks a layout with the same object: its refusal is the training script's line."""
     shape = plan.ViTShape.from_params(YParams("config/ViT.yaml", "mp"))  # 8 heads, 4050 tokens, global batch 64
     assert plan.refusal(shape, Layout(tp=16), 64) == Layout(tp=16).refusal(num_heads=8)
     assert "cannot evenly distribute 64 across 128 GPU" in plan.refusal(shape, Layout(dp=128), 64)

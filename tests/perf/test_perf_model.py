@@ -1,4 +1,4 @@
-"""The performance model's counts (benchmarks/perf_model.py) against the real ViT:
+"""The performance model's counts (planning/perf_model.py) against the real ViT:
 
 - FLOPs per sample against torch.utils.flop_counter on the model, every ViT config (within 2%; exact here; the twin,
   flash attention's recomputed scores counted, misses);
@@ -9,7 +9,7 @@
 - bytes per collective group and op in one training step against the collectives counted on gloo (within 1%;
   exact).
 
-A failure points to benchmarks/perf_model.py, or to a change of networks/vit.py, distributed/ or the FSDP setup that the
+A failure points to planning/perf_model.py, or to a change of networks/vit.py, distributed/ or the FSDP setup that the
 model has not followed.
 """
 import collections
@@ -22,7 +22,10 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from benchmarks.perf_model import (
+from loop.flops import train_flops_per_sample
+from loop.profiling import SavedActivations
+from networks import get_model
+from planning.perf_model import (
     ViTShape,
     block_flops_per_sample,
     collectives_per_step,
@@ -32,9 +35,6 @@ from benchmarks.perf_model import (
     saved_activation_bytes,
     state_bytes_per_rank,
 )
-from loop.flops import train_flops_per_sample
-from loop.profiling import SavedActivations
-from networks import get_model
 from tests.conftest import REPO_ROOT, as_spawned_rank, free_port
 from utils import comm
 from utils.layout import Layout

@@ -1,4 +1,4 @@
-"""The performance model's time and memory (benchmarks/perf_model.predict) and the layout planner (benchmarks/plan.py):
+"""The performance model's time and memory (benchmarks/perf_model.predict) and the layout planner (planning/plan.py):
 
 - the published GPU runs (the original tutorial's README, A100 on Perlmutter): samples/s within 25% and the memory
   line within 15% (of the predicted peak: the line reads NVML at the second step, when the allocator's cache holds
@@ -12,14 +12,15 @@
 """
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from benchmarks import perf_model, plan
-from benchmarks.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
+from planning import perf_model, plan
+from planning.perf_model import RUNTIME_OVERHEAD_GIB, SYSTEMS, ViTShape, predict
 from tests.conftest import REPO_ROOT
 from utils import compat
 from utils.errors import UserError
@@ -73,6 +74,43 @@ def test_without_the_tp_collectives_or_the_runtime_overhead_the_published_runs_a
 
 def plan_args(*argv):
     return plan.parser().parse_args(["--config", "mp", *argv])
+
+
+def test_the_model_holds_part_by_part_against_the_h100_step_profiles(capsys):
+    """`make plan ARGS=--parts`: the model's attention, GEMMs and memory-bound time of the ViT `short` bf16 step
+    against the committed H100 profiles, eager and compiled, as docs/perf_model.md shows them."""
+    with open(plan.PROFILES) as f:
+        profiles = json.load(f)["profiles"]
+    comparison = plan.print_parts(plan.PROFILES, False)
+    printed = capsys.readouterr().out
+    assert comparison["system"] == "H100-SXM" and plan.parts_refusals(comparison) == []
+    rows = {row["part"]: row for row in comparison["rows"]}
+    # the measured side is the profiles' own numbers, summed as PARTS says
+    eager, compiled = profiles["vit_nw8_bf16"]["ms_per_step"], profiles["vit_nw8_bf16_fused_jit"]["ms_per_step"]
+    assert rows["attention"]["measured_ms"] == {"eager": eager["attention"], "compiled": compiled["attention"]}
+    assert rows["memory_bound"]["measured_ms"]["compiled"] == compiled["norm_elementwise"] + compiled["optimizer"]
+    # the model's parts add up to its compute, and the model is the one `make plan` prints for that step
+    row = predict(shape_of("short"), SYSTEMS["H100-SXM"], Layout(), 16, "bf16")
+    assert sum(part["model_ms"] for part in rows.values()) == pytest.approx(comparison["total"]["model_ms"])
+    assert comparison["total"]["model_ms"] == pytest.approx(1e3 * row["step_time_s"])  # one GPU: no communication
+    assert "The model holds part by part." in printed
+    with open(os.path.join(REPO_ROOT, "docs", "perf_model.md")) as f:
+        doc = f.read()
+    table = [line for line in printed.splitlines() if line.startswith("|")]
+    assert len(table) == 6 and "\n".join(table) in doc
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert (f"attention {rows['attention']['model_ms']:.1f} ms, GEMMs {rows['gemm']['model_ms']:.1f}, memory-bound "
+            f"{rows['memory_bound']['model_ms']:.1f} (`make plan ARGS=--parts`") in readme
+
+
+@pytest.mark.parametrize("efficiency, missed", [({"matmul": 1.0}, {"attention", "gemm"}),
+                                                ({"memory": 0.3}, {"memory_bound"})])
+def test_twin_a_model_off_in_one_kind_of_work_fails_the_part_check(monkeypatch, efficiency, missed):
+    """The totals could hide it; the parts do not: at the GPU's full matmul peak, or at 30% of its HBM bandwidth."""
+    monkeypatch.setattr(perf_model, "EFFICIENCY", {**perf_model.EFFICIENCY, **efficiency})
+    problems = plan.parts_refusals(plan.against_profiles())
+    assert {problem.split(":")[0] for problem in problems} == missed, problems
 
 
 def test_a_layout_that_cannot_fit_is_never_listed():
@@ -165,6 +203,7 @@ def test_the_json_line_has_the_interface(capsys):
     (["--yaml_config", "missing.yaml"], "not found"),
     (["--config", "mp", "--overhead_gb", "nan"], "--overhead_gb is nan"),
     (["--config", "mp", "--plan", "--gpus", "4", "--top", "0"], "--top is 0"),
+    (["--parts", "missing.json"], "step profiles 'missing.json' cannot be read"),
 ])
 def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as stop:
@@ -178,7 +217,7 @@ def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
 @pytest.mark.multiprocess
 def test_make_plan_prints_the_json_last():
     """The command as `make plan` runs it, in its own process."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--config", "mp", "--gpus", "4", "--plan",
+    out = subprocess.run([sys.executable, "-m", "planning.plan", "--config", "mp", "--gpus", "4", "--plan",
                           "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()

@@ -131,7 +131,8 @@ TIERS = [
     ("distributed",),  # the tensor- and context-parallel layers and what wraps a model for parallelism
     ("networks", "loaders"),  # the models; the data loaders
     ("sample_data", "loop"),  # the sample data sets; what the training loops share
-    ("exercises", "benchmarks"),  # the exercise; benchmarks, the performance model and the planner
+    ("planning",),  # the performance model, the planner and the dry run (train_mp.py uses them at run time)
+    ("exercises", "benchmarks"),  # the exercise; the benchmarks (measurements)
 ]
 TOP = ("tests",)  # may import anything
 FILE_RULES = [  # (importers, what they must not import, why)

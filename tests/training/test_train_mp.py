@@ -123,9 +123,9 @@ def assert_the_start_up_line_is_the_performance_models(log, layout):
     import dataclasses
     import re
 
-    from benchmarks.perf_model import GIB, ViTShape, memory_bytes
+    from planning.perf_model import GIB, ViTShape, memory_bytes
     from utils.YParams import YParams
-    found = re.search(r"Predicted memory of the tensors \(benchmarks/perf_model.py\): (\S+) GB after the forward pass, "
+    found = re.search(r"Predicted memory of the tensors \(planning/perf_model.py\): (\S+) GB after the forward pass, "
                       r"(\S+) GB at the step's peak", log)
     assert found, "no prediction line"
     shape = ViTShape.from_params(YParams("config/ViT.yaml", "tiny"))

@@ -6,34 +6,43 @@ exactly as a real rank does, and hands the step to `report`, which runs a few st
 this rank holds: its parameters, gradients and optimizer state, the activations autograd saves in one forward
 (the same record as --enable_benchy's, loop/benchy.model_memory), the peak (the allocator's high watermark on a GPU;
 on a CPU, which has none, the sum of those tensors), and the step's time, which is compute only: the collectives
-cost nothing here. Beside each number is the performance model's (benchmarks/perf_model.py, what `make plan`
+cost nothing here. Beside each number is the performance model's (planning/perf_model.py, what `make plan`
 prints) for the same layout. The values the model computes are meaningless (the other ranks' contributions are
 missing), so nothing is written: no checkpoint, no TensorBoard, no check for nan.
 
-The last line printed is one JSON object.
+The last line printed is one JSON object; dry_run_in_own_process runs one and reads it back (`make plan --measure`,
+benchmarks/bench_dry_run.py).
 """
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from benchmarks import perf_model
 from lifecycle.run import finish_run
 from loop.benchy import model_memory
 from loop.reporting import set_train_mode
+from planning import perf_model
 from utils import comm
 
 TIMED_STEPS = 3  # after one warm-up step (it allocates the gradients and Adam's moments)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100": "A100-40GB"}
+
+
+def gpu_system(name):
+    """The performance model's system of a GPU named `name` (torch.cuda.get_device_name), or None (unknown)."""
+    return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
 
 
 def system_of(device):
     """The performance model's system for this GPU (its name), or None (a CPU, or a GPU it does not know)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
+    return gpu_system(torch.cuda.get_device_name(device))
 
 
 def predicted(params, layout, device, ddp=True):
@@ -111,3 +120,20 @@ def table(result):
              f"|{'-' * 22}|{'-' * 14}|{'-' * 26}|"]
     lines += [f"| {name:<20} | {measured:>12} | {model_value:>24} |" for name, measured, model_value in rows]
     return "\n".join(lines)
+
+
+CPU_DRY_RUN_FLAGS = ["--local_batch_size", "1", "--amp_mode", "none"]  # a CPU: the smallest step, in fp32
+
+
+def dry_run_in_own_process(args, timeout=None):
+    """`train_mp.py --dry_run ... ARGS` on synthetic batches, in its own process (a process group is one per
+    process): (its JSON, the last line printed; None), or (None; the line it failed with)."""
+    command = [sys.executable, "train_mp.py", *args, "--data_loader_config", "synthetic"]
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"no result within {timeout} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return None, (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return json.loads(lines[-1]), None

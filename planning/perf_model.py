@@ -17,7 +17,7 @@ built). First the counts:
 Then a roofline of one training step on a GPU (`predict`): the counts above, the work each kind of kernel does
 (GEMMs and FlashAttention on the tensor cores, softmax on the CUDA cores, elementwise kernels on HBM bandwidth),
 ring collectives on NVLink or the NIC as `--parallel_order` places each group, DDP's all-reduce overlapped with the
-backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). benchmarks/plan.py
+backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). planning/plan.py
 (`make plan`) is its command; docs/perf_model.md compares it with the published runs.
 
 Checked against the real model, the flop counter and the collectives on gloo in tests/perf/test_perf_model.py; the
@@ -417,7 +417,8 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     allocator's cache already holds the first step's peak: read it against peak_memory_gb), fits (the peak within
     the GPU's memory), the time breakdown of a step (matmul, softmax, memory-bound, exposed communication: the
     activations' collectives and the sums before FSDP's step, and whatever of DDP's gradient all-reduces outlasts
-    the backward pass, or of FSDP's gathers and scatters the whole compute), flops_per_sample (the serial model's,
+    the backward pass, or of FSDP's gathers and scatters the whole compute), parts_s (the compute in a step
+    profile's parts: attention, GEMMs, memory-bound), flops_per_sample (the serial model's,
     what MFU counts), comm_bytes_per_step by group, counts (one block's FLOPs, the bytes of memory_bytes, every
     collective) and the layout."""
     layout.check(global_batch=global_batch)  # the batch splits over dp (utils/layout.py)
@@ -427,8 +428,9 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     # time: compute, memory-bound, communication
     attention_flops, softmax_ops = attention_work_per_sample(shape, layout)
-    matmul_s = batch * (gemm_flops_per_sample(shape, layout) + attention_flops) / \
-        (peak_flops * EFFICIENCY["matmul"])
+    gemm_s = batch * gemm_flops_per_sample(shape, layout) / (peak_flops * EFFICIENCY["matmul"])
+    attention_matmul_s = batch * attention_flops / (peak_flops * EFFICIENCY["matmul"])
+    matmul_s = gemm_s + attention_matmul_s
     softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])  # compute too: the same fraction
     held = parameters_per_rank(shape, layout)
     memory_s = (batch * memory_bound_bytes_per_sample(shape, layout, half) + ADAM_BYTES_PER_PARAMETER * held) / \
@@ -458,6 +460,10 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "step_time_s": step_s,
         "time_breakdown_s": {"matmul": matmul_s, "softmax": softmax_s, "memory_bound": memory_s,
                              "exposed_communication": exposed_s},
+        # the compute again, in the parts a step profile measures (benchmarks/step_profile.py): the attention kernels
+        # (their matmuls and softmax), the linear layers' GEMMs, and the memory-bound kernels (norms, elementwise,
+        # Adam's update)
+        "parts_s": {"attention": attention_matmul_s + softmax_s, "gemm": gemm_s, "memory_bound": memory_s},
         "flops_per_sample": flops,
         "comm_bytes_per_step": _bytes_by_group(collectives),
         "comm_seconds": comm_s,
@@ -483,5 +489,5 @@ def predicted_memory_line(params, layout, ddp=True):
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
     memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
-    return (f"Predicted memory of the tensors (benchmarks/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
+    return (f"Predicted memory of the tensors (planning/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
             f"the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")

@@ -1,9 +1,9 @@
-"""Plan a model-parallel layout before spending GPU hours: the performance model (benchmarks/perf_model.py) predicts
+"""Plan a model-parallel layout before spending GPU hours: the performance model (planning/perf_model.py) predicts
 memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout on a table of GPUs.
 
     make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
     make plan ARGS="--config mp --gpus 16 --plan"                         # every layout that fits, fastest first
-    python -m benchmarks.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
+    python -m planning.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
     make plan ARGS="--config mp --gpus 16 --plan --measure"              # + the first 3 measured by dry runs
 
 The flags are train_mp.py's (--yaml_config --config --tensor_parallel --context_parallel --parallel_order --amp_mode
@@ -13,17 +13,18 @@ is one JSON object: the prediction, or with --plan {"layouts": [...]}, each with
 layout flags given are kept and the others are tried: every tp and cp that divide, and the memory flags. Each layout
 comes with the sbatch line that runs it (submit_pm_mp.sh: nodes of 4 GPUs). Predictions, not measurements:
 docs/perf_model.md says what the model counts and how it compares with the published runs. --measure K runs rank 0
-of the first K layouts on this machine (train_mp.py --dry_run: benchmarks/dry_run.py) and prints what it holds
+of the first K layouts on this machine (train_mp.py --dry_run: planning/dry_run.py) and prints what it holds
 and how long its step computes beside the prediction.
 """
 import itertools
 import json
 import math
+import os
 
 import torch
 
-from benchmarks.common import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
-from benchmarks.perf_model import (
+from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process, gpu_system
+from planning.perf_model import (
     GIB,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
@@ -48,6 +49,16 @@ PUBLISHED = [
     ("mp", "A100-40GB", Layout(cp=4, dp=4, order="cp-tp-dp"), "fp16", 166.0, 26.6),  # the 2025 edition's cp=4 run
 ]
 
+# the measured step profiles (benchmarks/step_profile.py --committed) the model is checked against part by part:
+# profile name in the file, its label, the ViT config and precision it ran
+PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results", "gpu",
+                        "step_profiles.json")
+PROFILED = [("vit_nw8_bf16", "eager", "short", "bf16"), ("vit_nw8_bf16_fused_jit", "compiled", "short", "bf16")]
+# a measured part against the model's: (measured parts summed, what the row says)
+PARTS = {"attention": (("attention",), "attention (FlashAttention: its matmuls and softmax)"),
+         "gemm": (("gemm",), "GEMMs (the linear layers)"),
+         "memory_bound": (("norm_elementwise", "optimizer"), "memory-bound (norms, elementwise, optimizer)")}
+PART_TOLERANCE = {"attention": 0.15, "gemm": 0.25}  # measured / model within 1 +- this; memory-bound: see below
 
 def parser():
     parser = ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,6 +80,9 @@ def parser():
     add("--json", action="store_true", help="end with one line of JSON")
     add("--top", type=int, default=10, help="layouts printed with --plan (the JSON holds all)")
     add("--published", action="store_true", help="the model against the published runs (README's table)")
+    add("--parts", nargs="?", const=PROFILES, default=None, metavar="STEP_PROFILES_JSON",
+        help="the model's step, part by part, against the measured step profiles of one GPU (default: "
+             "bench_results/gpu/step_profiles.json)")
     add("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
         help="also run rank 0 of the first K layouts (default 3) on this machine (train_mp.py --dry_run, synthetic "
              "data) and print the measured memory and compute time beside the prediction")
@@ -191,6 +205,81 @@ def print_published(as_json):
     return found
 
 
+def against_profiles(path=PROFILES, yaml_config="./config/ViT.yaml"):
+    """{"machine", "system", "rows": [{part, label, model_ms, measured_ms: {eager, compiled}}], totals} of the
+    committed step profiles (PROFILED) against the model's prediction of the same step on that GPU."""
+    try:
+        with open(path) as f:
+            found = json.load(f)
+        profiles = {label: (found["profiles"][name], config, amp) for name, label, config, amp in PROFILED}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"step profiles '{path}' cannot be read ({err!r}); give the JSON that python -m "
+                        "benchmarks.step_profile --committed writes") from None
+    devices = {profile["device"] for profile, _, _ in profiles.values()}
+    systems = {gpu_system(device) for device in devices}
+    if len(systems) != 1 or None in systems:
+        raise UserError(f"step profiles '{path}' come from {', '.join(sorted(devices))}: the model knows none of "
+                        f"them as one system ({', '.join(sorted(SYSTEMS))})")
+    system = SYSTEMS[systems.pop()]
+    model = {}
+    for label, (_, config, amp) in profiles.items():
+        params = YParams(yaml_config, config)
+        model[label] = predict(ViTShape.from_params(params), system, Layout(), params.global_batch_size, amp)
+    first = model[PROFILED[0][1]]
+    if any(row["parts_s"] != first["parts_s"] for row in model.values()):
+        raise UserError(f"the profiles of '{path}' ran different steps; the comparison needs one config and precision")
+    rows = [{"part": part, "label": label, "model_ms": 1e3 * first["parts_s"][part],
+             "measured_ms": {name: sum(profile["ms_per_step"][key] for key in keys)
+                             for name, (profile, _, _) in profiles.items()}}
+            for part, (keys, label) in PARTS.items()]
+    total = {"model_ms": 1e3 * compute_seconds(first),
+             "busy_ms": {name: profile["busy_ms"] for name, (profile, _, _) in profiles.items()},
+             "step_ms": {name: profile["step_ms"] for name, (profile, _, _) in profiles.items()}}
+    return {"machine": found.get("machine", ""), "system": system.name, "config": PROFILED[0][2],
+            "batch": first["global_batch_size"],
+            "amp_mode": PROFILED[0][3], "rows": rows, "total": total}
+
+
+def parts_refusals(comparison):
+    """What the per-part check finds wrong (empty: the model holds): attention and GEMMs within PART_TOLERANCE of
+    every profile; the memory-bound kernels between the compiled step (fused: fewer bytes moved) and the eager one
+    (a roofline of the bytes the model counts can be neither)."""
+    found = []
+    for row in comparison["rows"]:
+        measured = row["measured_ms"]
+        if row["part"] in PART_TOLERANCE:
+            tolerance = PART_TOLERANCE[row["part"]]
+            found += [f"{row['part']}: {name} measured {value:.1f} ms, model {row['model_ms']:.1f} ms (outside "
+                      f"+-{tolerance:.0%})" for name, value in measured.items()
+                      if abs(value / row["model_ms"] - 1) > tolerance]
+        elif not min(measured.values()) <= row["model_ms"] <= max(measured.values()):
+            found.append(f"{row['part']}: model {row['model_ms']:.1f} ms outside the measured "
+                         f"{min(measured.values()):.1f}-{max(measured.values()):.1f} ms")
+    return found
+
+
+def print_parts(path, as_json):
+    """The table of docs/perf_model.md: the model's compute by part against the measured profiles."""
+    comparison = against_profiles(path)
+    names = list(comparison["rows"][0]["measured_ms"])
+    print(f"ViT `{comparison['config']}`, {comparison['amp_mode']}, batch {comparison['batch']}, one GPU: the model "
+          f"({comparison['system']}) against the step profiles ({comparison['machine']}), ms per step:")
+    print(f"| part | model | {' | '.join(f'measured, {name}' for name in names)} |")
+    print("|---|---|" + "---|" * len(names))
+    for row in comparison["rows"]:
+        cells = " | ".join(f"{row['measured_ms'][name]:.1f} ({row['measured_ms'][name] / row['model_ms']:.2f}x)"
+                           for name in names)
+        print(f"| {row['label']} | {row['model_ms']:.1f} | {cells} |")
+    total = comparison["total"]
+    cells = " | ".join(f"{total['busy_ms'][name]:.1f} busy, {total['step_ms'][name]:.1f} a step" for name in names)
+    print(f"| the step (the model: compute only) | {total['model_ms']:.1f} | {cells} |")
+    problems = parts_refusals(comparison)
+    print("The model holds part by part." if not problems else "Outside the model's tolerance: " + "; ".join(problems))
+    if as_json:
+        print(json.dumps(comparison))
+    return comparison
+
+
 def summary(row, system):
     """Two lines of --plan: the layout and its prediction, then the sbatch line."""
     flags = " ".join(row["flags"][2:])
@@ -219,6 +308,8 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.published:
         return print_published(args.json)
+    if args.parts:
+        return print_parts(args.parts, args.json)
     check_numbers(args)
     shape, global_batch, amp_mode = read_config(args)
     system = SYSTEMS[args.gpu]
