@@ -353,7 +353,7 @@ def explain_lost_peer(err):
     went with its host, rank 0: then the first rank of each node says so."""
     rank, world = get_world_rank(), world_size_to_be()
     cause = next((pattern for pattern in PEER_LOST if pattern in str(err)), "a collective failed")
-    store = _host.get("store")
+    store, store_gone = _host.get("store"), False
     try:
         store.set(f"alive/{rank}", "1")
         deadline = time.time() + LOST_PEER_CENSUS_S
@@ -363,13 +363,13 @@ def explain_lost_peer(err):
         marked = [other for other in range(world) if other == rank or store.check([f"alive/{other}"])]
         if rank == 0:
             linger_for_the_others(store, world)
-    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
+    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return None
-        failed, marked = False, [other for other in range(world) if other != 0]
+        failed, marked, store_gone = False, [rank], True
     if failed or rank != min(marked):
         return None  # the failing rank's line says why, or a lower surviving rank's
-    lost = [other for other in range(world) if other not in marked]
+    lost = [0] if store_gone else [other for other in range(world) if other not in marked]
     named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
     who = f"rank{'s' if len(lost) > 1 else ''} {named}" if lost else "another rank"
     resume = _host.get("checkpoint")
