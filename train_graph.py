@@ -42,7 +42,6 @@ from task.loss import get_loss
 from task.metrics import get_train_metrics, get_valid_metrics
 from task.optim import get_lr_scheduler, get_optimizer
 from utils import comm
-from utils.compat import ddp_buffer_sync
 from utils.errors import exit_on_user_error
 
 
@@ -84,7 +83,7 @@ def main(argv=None):
     if comm.get_size("dp") > 1 and not args.noddp:  # DDP all-reduces the gradients during backward
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                         process_group=comm.get_group("dp"), bucket_cap_mb=args.bucket_cap_mb,
-                                        **ddp_buffer_sync(not args.disable_broadcast_buffers),
+                                        **comm.ddp_buffer_sync(not args.disable_broadcast_buffers),
                                         gradient_as_bucket_view=args.disable_broadcast_buffers)
     elif args.parallel == "dp":
         # one process scatters each batch over all visible GPUs (CPU: as is); each replica's thread enters autocast

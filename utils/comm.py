@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from utils import rendezvous
-from utils.compat import join_fake_process_group
+from utils.compat import ddp_buffer_sync, join_fake_process_group  # noqa: F401 (ddp_buffer_sync: for the scripts)
 from utils.errors import PEER_LOST, OneRankError, UserError, on_job_failures, register_cleanup
 from utils.layout import Layout
 
