@@ -369,7 +369,7 @@ def explain_lost_peer(err):
         failed, marked, store_gone = False, [rank], True
     if failed or rank != min(marked):
         return None  # the failing rank's line says why, or a lower surviving rank's
-    lost = [0] if store_gone else [other for other in range(world) if other not in marked]
+    lost = ([0] if rank != 0 else []) if store_gone else [other for other in range(world) if other not in marked]
     named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
     who = f"rank{'s' if len(lost) > 1 else ''} {named}" if lost else "another rank"
     resume = _host.get("checkpoint")

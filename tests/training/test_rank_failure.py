@@ -127,3 +127,34 @@ def test_a_rank_killed_without_a_word_is_named_with_the_checkpoint_to_resume_fro
         r"line of its own \(killed, out of memory, or its node failed\); the job stops; starting again resumes from "
         rf"'{re.escape(str(checkpoint))}' \(iteration {last}\)", errors[0]), console[-3000:]
     assert "Traceback" not in console
+
+
+class GoneStore:
+    """A rendezvous store whose host has died: every call fails as TCPStore's do."""
+
+    def set(self, key, value):
+        raise RuntimeError("Broken pipe")
+
+    check = get = set
+
+
+@pytest.mark.parametrize("rank, local_rank, line", [
+    (4, "0", "rank 4: rank 0 stopped answering"),  # the first rank of a node says it
+    (5, "1", None),  # the others of that node do not
+    (0, "0", "rank 0: another rank stopped answering"),  # rank 0 never names itself
+])
+def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local_rank, line):
+    """Rank 0's process holds the rendezvous store under srun: when it dies, the survivors cannot take their census;
+    the first rank of each node says that rank 0 stopped answering, with the checkpoint to resume from."""
+    from utils import comm
+    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setitem(comm._host, "store", GoneStore())
+    monkeypatch.setitem(comm._host, "checkpoint", "'ckpt.pt' (iteration 12)")
+    said = comm.explain_lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [10.0.0.1]:1234"))
+    if line is None:
+        assert said is None
+    else:
+        assert said.startswith(line + " in a collective (Connection closed by peer)"), said
+        assert said.endswith("starting again resumes from 'ckpt.pt' (iteration 12)"), said
