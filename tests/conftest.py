@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -101,3 +102,29 @@ def run_command(args, nproc=1, timeout=600, gpu=False):
                      "--master_port", str(free_port())]
     return subprocess.run(launcher + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_plain_ranks(argv, ranks, log_dir, timeout=120):
+    """`ranks` processes of `argv` over gloo, each told its rank (no launcher: each one's exit code and output),
+    logging to files in `log_dir` (a full pipe would stall a rank). Returns (exit codes, outputs, time of the last
+    exit); a rank left waiting for another fails the wait."""
+    port = free_port()
+    processes = []
+    for rank in range(ranks):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(ranks), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w+")
+        processes.append((subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes, outputs, last_exit = [], [], 0.0
+    try:
+        for process, _ in processes:
+            codes.append(process.wait(timeout=timeout))
+            last_exit = time.time()
+    finally:
+        for process, log in processes:
+            process.kill()
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    return codes, outputs, last_exit
+

@@ -7,16 +7,13 @@ the test's folder (no switch in the product's code).
 
 A failure points to utils/errors.py (exit_on_user_error) or utils/comm.py (announce_failure, explain_lost_peer).
 """
-import os
 import re
-import subprocess
 import sys
-import time
 
 import pytest
 
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, run_plain_ranks
 
 # what each rank runs: train.py, with rank 1's 13th read of a training frame failing, mid-epoch (`error`: an
 # unreadable sample; `kill`: the process dies at once, as an out-of-memory kill does); `switched_off` takes the
@@ -62,27 +59,10 @@ def job(era5, tmp_path, ranks, mode, switched_off=False, timeout=120):
     (exit codes, outputs, seconds from rank 1's failure to the last exit)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, mode=mode, switched_off=switched_off))
-    port = free_port()
-    processes = []
-    for rank in range(ranks):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(ranks), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-        log = open(tmp_path / f"rank{rank}.log", "w+")  # a file, not a pipe: a full pipe would stall a rank
-        processes.append((subprocess.Popen(
-            [sys.executable, str(script), "--config", "tiny", "--data_dir", era5, "--expdir", str(tmp_path / "exp"),
-             "--num_iters", "40", "--local_batch_size", "1", "--num_data_workers", "0", "--checkpoint_interval", "4",
-             "--dist_timeout", "60"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes, outputs, last_exit = [], [], 0.0
-    try:
-        for process, _ in processes:
-            codes.append(process.wait(timeout=timeout))  # a rank left waiting for another fails here
-            last_exit = time.time()
-    finally:
-        for process, log in processes:
-            process.kill()
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
+    codes, outputs, last_exit = run_plain_ranks(
+        [sys.executable, str(script), "--config", "tiny", "--data_dir", era5, "--expdir", str(tmp_path / "exp"),
+         "--num_iters", "40", "--local_batch_size", "1", "--num_data_workers", "0", "--checkpoint_interval", "4",
+         "--dist_timeout", "60"], ranks, tmp_path, timeout)
     failed_at = re.search(r"test: rank 1 fails at ([\d.]+)", "".join(outputs))
     assert failed_at, "".join(outputs)[-3000:]
     return codes, outputs, last_exit - float(failed_at.group(1))

@@ -9,7 +9,6 @@ lifecycle/run.py (start_run).
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +25,7 @@ from lifecycle.checkpoint import (
     save_checkpoint,
 )
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, run_plain_ranks
 from utils.errors import UserError
 
 # ---------------------------------------------------------------- the agreement, in one process
@@ -183,25 +182,9 @@ def two_ranks(data, tmp_path, fail_on_rank_1=False, timeout=120):
     """Resume the copied run with two ranks (plain processes: each one's exit code and output)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, fail_on_rank_1=fail_on_rank_1))
-    port = free_port()
-    ranks = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-        log = open(tmp_path / f"rank{rank}.log", "w+")  # a file, not a pipe: a full pipe would stall a rank
-        ranks.append((subprocess.Popen([sys.executable, str(script), "--config", "tiny", "--data_dir", data,
-                                        "--expdir", str(tmp_path / "exp"), "--num_iters", "6", "--dist_timeout",
-                                        "60"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes, outputs = [], []
-    try:
-        for process, _ in ranks:
-            codes.append(process.wait(timeout=timeout))  # a rank left waiting for another fails here
-    finally:
-        for process, log in ranks:
-            process.kill()
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
+    codes, outputs, _ = run_plain_ranks(
+        [sys.executable, str(script), "--config", "tiny", "--data_dir", data, "--expdir", str(tmp_path / "exp"),
+         "--num_iters", "6", "--dist_timeout", "60"], 2, tmp_path, timeout)
     return codes, outputs
 
 
