@@ -6,6 +6,7 @@
 #SBATCH --cpus-per-task 32
 #SBATCH --gpus-per-task 1
 #SBATCH --gpu-bind none
+# (the original's: each rank sees the node's GPUs and takes cuda:LOCAL_RANK; no CPU/NIC map: docs/cluster.md)
 #SBATCH --time=01:00:00
 #SBATCH --signal=USR1@180
 #SBATCH --requeue

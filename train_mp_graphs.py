@@ -60,7 +60,8 @@ def main(argv=None):
     args = model_parallel_parser(__doc__.splitlines()[0]).parse_args(argv)  # + layout, memory and dry-run flags
     params = load_config(args)
     layout = Layout.from_flags(args, args.dry_run or comm.world_size_to_be())  # tp x cp x dp, checked once
-    comm.init(layout, rendezvous_timeout=args.dist_timeout, dry_run_rank=args.dry_run_rank if args.dry_run else None)
+    comm.init(layout, rendezvous_timeout=args.dist_timeout, dry_run_rank=args.dry_run_rank if args.dry_run else None,
+              collective_timeout=args.collective_timeout)
     run = start_run(args, params, layout=f"{layout.model_parallel}MP")
     device = run.device
     cuda_graphs.check_support(params, args, device, script=__file__)

@@ -21,6 +21,9 @@ def training_parser(description, one_process_dp=True):
         help="set by `python -m torch.distributed.launch`; LOCAL_RANK from the environment wins")
     add("--dist_timeout", type=float, default=600,
         help="seconds a rank waits for the others to join the process group before giving up")
+    add("--collective_timeout", type=float, default=600,
+        help="seconds a collective (a step's all-reduce, a validation sum) waits for the slowest rank before the job "
+             "stops; waits for rank 0's checkpoint write are not bounded by it")
     add("--run_num", type=str, default="00", help="tag for the experiment (leaf folder of the run directory)")
     add("--yaml_config", type=str, default="./config/ViT.yaml", help="YAML file of named configs")
     add("--config", type=str, default="base", help="name of the config inside the YAML file")

@@ -76,7 +76,7 @@ class Run:
     writer: SummaryWriter = None
 
 
-def _make_run_dir(exp_dir):
+def _make_run_dir(exp_dir, model):
     try:
         os.makedirs(os.path.join(exp_dir, "logs"), exist_ok=True)
     except OSError as err:
@@ -88,7 +88,7 @@ def _make_run_dir(exp_dir):
                         "--expdir") from None
     if not os.access(exp_dir, os.W_OK):
         raise UserError(f"the run directory '{exp_dir}' is not writable; choose a writable --expdir")
-    return RunDirectoryLock(exp_dir)
+    return RunDirectoryLock(exp_dir, model)
 
 
 # each attention kernel's switch and its setting as torch starts (what "auto" puts back)
@@ -149,7 +149,7 @@ def start_run(args, params, layout):
     params.experiment_dir = exp_dir
     checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
     run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank())
-    run.lock = comm.on_rank0(lambda: _make_run_dir(exp_dir))  # rank 0 creates and locks the directory
+    run.lock = comm.on_rank0(lambda: _make_run_dir(exp_dir, params.get("model", "vit")))  # rank 0 creates, locks
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration

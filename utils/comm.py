@@ -12,8 +12,10 @@ model's own rules (heads, MLP width, tokens) are the layout's too, checked when 
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
 import contextlib
+import datetime
 import logging
 import os
+import pickle
 import time
 
 import torch
@@ -21,15 +23,17 @@ import torch.distributed as dist
 
 from utils import rendezvous
 from utils.compat import ddp_buffer_sync, join_fake_process_group  # noqa: F401 (ddp_buffer_sync: for the scripts)
-from utils.errors import PEER_LOST, OneRankError, UserError, on_job_failures, register_cleanup
+from utils.errors import PEER_LOST, TIMED_OUT, OneRankError, UserError, on_job_failures, register_cleanup
 from utils.layout import Layout
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
+DEFAULT_COLLECTIVE_TIMEOUT = 600  # seconds a collective waits for every rank (torch's default for NCCL, 10 minutes)
 _groups = {}
 _layout = {"now": Layout()}  # this run's layout (serial until init)
 GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
 _host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads; not a named group;
-# "store": the rendezvous store, where a failing rank leaves its note; "checkpoint": the last one written or resumed
+# "store": the rendezvous store, where a failing rank leaves its note; "checkpoint": the last one written or resumed;
+# "timeout": --collective_timeout (seconds); "posts": how many objects rank 0 has posted in the store
 LOST_PEER_CENSUS_S = 1.0  # how long the ranks that lost a peer wait for each other's note before naming the lost
 LOST_PEER_LINGER_S = 3.0  # how long rank 0 keeps the store up for the others' questions after a failure
 
@@ -95,13 +99,15 @@ def _build_groups(generator):
     list, in the same order) and keep, under its type's name, the one holding this rank. A list that is the
     whole world reuses the world group (so train.py's "dp" stays the world, as for DDP before)."""
     world, rank = list(range(dist.get_world_size())), dist.get_rank()
+    timeout = datetime.timedelta(seconds=_host.get("timeout", DEFAULT_COLLECTIVE_TIMEOUT))  # the world's, too
     for name in GROUP_TYPES:
         for ranks in generator.get_ranks(name):
-            group = dist.group.WORLD if ranks == world else dist.new_group(ranks)
+            group = dist.group.WORLD if ranks == world else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 _groups[name] = group
     # host-side flags (lifecycle/signals.py) go through gloo, so that reading them never waits for the GPU
-    _host["group"] = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else dist.group.WORLD
+    _host["group"] = (dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() == "nccl"
+                      else dist.group.WORLD)
 
 
 def gpus_expected():
@@ -151,9 +157,12 @@ def world_size_to_be():
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_rank=None):
+def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_rank=None,
+         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT):
     """Join the process group when WORLD_SIZE > 1 (utils/rendezvous.py: waiting at most `rendezvous_timeout`
-    seconds for the other ranks) and build the groups of the tp x cp x dp grid of `layout`: a Layout (train_mp.py),
+    seconds for the other ranks; every collective of every group then waits at most `collective_timeout` seconds
+    for the others, after which the job stops in one line) and build the groups of the tp x cp x dp grid of
+    `layout`: a Layout (train_mp.py),
     a dict or config with "tp", "cp", "order" (the original `comm.init(params)`), or None: every rank is one
     replica and "dp" is the world (train.py). With `dry_run_rank` this one process is that rank of the layout's
     world and the other ranks are stand-ins (join_dry_run). Returns (world size, world rank, local rank)."""
@@ -168,7 +177,11 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
     else:
         layout = Layout.from_dict(layout if layout is not None else {}, world_size)
     generator = layout.grid()
+    if collective_timeout <= 0:
+        raise UserError(f"--collective_timeout is {collective_timeout:g}; give the seconds a collective may wait "
+                        "for the other ranks (default 600)")
     _groups.clear()
+    _host["timeout"] = collective_timeout
     _layout["now"] = layout
     if world_size > 1 and not dist.is_initialized():
         settings = rendezvous.launch_settings(world_size, rendezvous_timeout)  # checked before a GPU is touched
@@ -177,7 +190,7 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
             torch.cuda.set_device(device)
         _host["store"] = rendezvous.init_process_group(settings, world_size,
                                                        "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
-                                                       rendezvous_timeout)
+                                                       rendezvous_timeout, collective_timeout)
         on_job_failures(announce_failure, explain_lost_peer)
     if dist.is_initialized():
         _build_groups(generator)
@@ -277,7 +290,9 @@ def all_reduce_min(tensor):
 
 def on_rank0(action):
     """`action()` on rank 0 alone (its result there, None elsewhere). If it raises a UserError every rank raises
-    it, instead of the others waiting forever at their next collective."""
+    it, instead of the others waiting forever at their next collective. The others wait for rank 0 on the host
+    (broadcast_from_rank0), as long as the action takes: a checkpoint written to a slow file system is not bounded
+    by --collective_timeout."""
     result, error = None, None
     if get_world_rank() == 0:
         try:
@@ -290,13 +305,35 @@ def on_rank0(action):
     return result
 
 
+RANK0_POLL_S = (0.005, 0.5)  # how often a rank waiting for rank 0's post looks at the store: first, at most
+
+
 def broadcast_from_rank0(obj):
-    """Rank 0's `obj` on every rank (a picklable Python object); also a barrier."""
+    """Rank 0's `obj` on every rank (a picklable Python object); the others wait until rank 0 gets here. Through
+    the rendezvous store where there is one (torchrun or srun): rank 0 posts it and goes on, the others poll the
+    store on the host, however long rank 0 takes (a checkpoint write, a dataset download), without a collective
+    that --collective_timeout (NCCL's watchdog) would end; a store that is gone took rank 0 with it. Without a store
+    (a dry run, a process group made elsewhere) a collective broadcast."""
     if not dist.is_initialized() or is_dry_run():
         return obj
-    objects = [obj]
-    dist.broadcast_object_list(objects, src=0)
-    return objects[0]
+    store = _host.get("store")
+    if store is None:
+        objects = [obj]
+        dist.broadcast_object_list(objects, src=0)
+        return objects[0]
+    _host["posts"] = _host.get("posts", 0) + 1  # every rank counts the same posts: the key of this one
+    key = f"rank0_post/{_host['posts']}"
+    if get_world_rank() == 0:
+        store.set(key, pickle.dumps(obj))
+        return obj
+    pause = RANK0_POLL_S[0]
+    try:
+        while not store.check([key]):  # check, not wait: a wait that times out warns on stderr every time
+            time.sleep(pause)
+            pause = min(2 * pause, RANK0_POLL_S[1])
+        return pickle.loads(store.get(key))
+    except dist.DistNetworkError as err:  # rank 0's process held the store: it is gone (utils/errors.py: one line)
+        raise RuntimeError(f"Connection closed by peer: rank 0's rendezvous store ({err})") from None
 
 
 def destroy():
@@ -352,6 +389,8 @@ def explain_lost_peer(err):
     has marked itself or its failure, so the store outlives the others' questions. A store that cannot be reached
     went with its host, rank 0: then the first rank of each node says so."""
     rank, world = get_world_rank(), world_size_to_be()
+    if any(pattern in str(err) for pattern in TIMED_OUT):
+        return explain_timeout(rank, world)
     cause = next((pattern for pattern in PEER_LOST if pattern in str(err)), "a collective failed")
     store, store_gone = _host.get("store"), False
     try:
@@ -376,6 +415,30 @@ def explain_lost_peer(err):
     again = f"starting again resumes from {resume}" if resume else "no checkpoint was written yet"
     return (f"rank {rank}: {who} stopped answering in a collective ({cause}) without a line of its own (killed, "
             f"out of memory, or its node failed); the job stops; {again}")
+
+
+def explain_timeout(rank, world):
+    """This rank's line when a collective waited longer than --collective_timeout, or None: only the first rank to
+    time out speaks (the store counts them) and notes itself as the failing one, so that the slow rank, which finds
+    the others gone when it reaches the collective, stays quiet (explain_lost_peer)."""
+    store, first = _host.get("store"), True
+    try:
+        first = store.add("timed_out", 1) == 1
+        store.set(f"alive/{rank}", "1")
+        if first:
+            store.set("failed", str(rank))
+        if rank == 0:
+            linger_for_the_others(store, world)
+    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
+        first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if not first:
+        return None
+    resume = _host.get("checkpoint")
+    again = f"starting again resumes from {resume}" if resume else "no checkpoint was written yet"
+    return (f"rank {rank}: a collective waited longer than --collective_timeout "
+            f"({_host.get('timeout', DEFAULT_COLLECTIVE_TIMEOUT):g} s) for the other ranks (one of them is slow or "
+            f"stuck: a file system, a compile, a hung GPU); the job stops; raise --collective_timeout if that wait "
+            f"is expected; {again}")
 
 
 def linger_for_the_others(store, world):

@@ -12,7 +12,9 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # what a collective raises on a rank whose peer is gone (gloo's sockets closed by the peer's exit or abort; NCCL's
 # communicator aborted, or its watchdog's timeout)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
-             "NCCL communicator", "Watchdog caught collective operation timeout")
+             "NCCL communicator")
+# a collective waited longer than its group's timeout (--collective_timeout): gloo's words, NCCL's watchdog's
+TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 _job = {}  # "announce": a OneRankError to the other ranks, then leave; "explain": a lost peer in one line or None
 
 
@@ -43,8 +45,8 @@ def on_job_failures(announce=None, explain=None):
 
 
 def lost_peer(err):
-    """Whether `err` is a collective's failure because another rank is gone."""
-    return isinstance(err, RuntimeError) and any(pattern in str(err) for pattern in PEER_LOST)
+    """Whether `err` is a collective's failure because another rank is gone or too slow (TIMED_OUT)."""
+    return isinstance(err, RuntimeError) and any(pattern in str(err) for pattern in PEER_LOST + TIMED_OUT)
 
 
 def prints_here(err):

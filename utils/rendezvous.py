@@ -1,7 +1,8 @@
 """Joining the process group: the rendezvous behind comm.init, with its checks (launch variables, a rank 0 that never
 comes, two ranks on one GPU) and torchrun's restarts. Every failure a user can cause ends in one line (UserError).
 
-The rendezvous runs alone, with --dist_timeout (init_process_group's own timeout would also bound every collective).
+The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout bounds every collective afterwards
+(--collective_timeout).
 """
 import datetime
 import logging
@@ -9,6 +10,7 @@ import os
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 
 from utils.errors import OneRankError, UserError
@@ -25,10 +27,13 @@ def launch_settings(world_size, timeout_s):
     return int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def init_process_group(settings, world_size, backend, gpu, timeout_s):
+def init_process_group(settings, world_size, backend, gpu, timeout_s, collective_timeout_s=600):
     """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
     `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
-    process group. Returns the rendezvous store (the ranks' notes when one of them fails: utils/comm.py)."""
+    process group, whose collectives wait at most `collective_timeout_s` seconds. NCCL is told this rank's GPU
+    (`device_id`): its communicator is then made now, not at the first collective, and every subgroup is split from
+    it instead of each bootstrapping its own over the network. Returns the rendezvous store (the ranks' notes when
+    one of them fails: utils/comm.py)."""
     rank, addr, port = settings
     logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                  f"(timeout {timeout_s:g} s, --dist_timeout)")
@@ -48,8 +53,9 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s):
                             f"{timeout_s:g} s ({err}); start every rank, or raise --dist_timeout") from None
     if backend == "nccl":
         check_one_rank_per_gpu(store, world_size, gpu, timeout_s)
+    eager = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s), **eager)
     return store
 
 

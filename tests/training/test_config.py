@@ -1,5 +1,6 @@
 """Config loading and flag overrides. A failure points to utils/YParams.py or lifecycle/cli.py."""
 import copy
+import os
 import pickle
 
 import pytest
@@ -110,3 +111,34 @@ def test_a_key_the_config_lacks_names_the_key_the_config_and_the_file():
         params["nope"]
     for twin in (pickle.loads(pickle.dumps(params)), copy.deepcopy(params)):
         assert twin.params == params.params and twin.embed_dim == 32 and twin.config_name == "tiny"
+
+
+def test_stages_whose_configs_share_a_name_write_to_different_run_directories():
+    """The ViT's, the UNet's and the ResNet's YAML files share config names (short, base, demo, tiny, ...): with their
+    own defaults no two stages' runs of one name land in the same <expdir>/<config>/ folder (issue #40). The ViT keeps
+    the original's /logs; the others add their model's folder."""
+    import glob
+    import yaml
+    by_name = {}
+    for path in sorted(glob.glob("config/*.yaml")):
+        for name in yaml.safe_load(open(path)):
+            by_name.setdefault(name, []).append(os.path.join(YParams(path, name).expdir, name))
+    shared = {name: dirs for name, dirs in by_name.items() if len(dirs) > 1}
+    assert {"base", "short", "demo", "tiny"} <= set(shared)
+    assert all(len(set(dirs)) == len(dirs) for dirs in shared.values()), shared
+    assert YParams("config/ViT.yaml", "base").expdir == "/logs"
+
+
+def test_a_run_directory_of_another_model_is_refused_in_one_line(tmp_path):
+    """A UNet run in a directory a ViT run used (both told the same --expdir) is refused, naming both models and a
+    folder of its own; a run of the same model goes on there (the twin: the refusal is the model's, not the
+    directory's)."""
+    from lifecycle.run_lock import RunDirectoryLock
+    run_dir = tmp_path / "short" / "1GPU" / "00"
+    run_dir.mkdir(parents=True)
+    RunDirectoryLock(str(run_dir), "vit").release()
+    with pytest.raises(UserError, match=rf"^run directory '{run_dir}' holds a run of the vit model, not the unet: .*"
+                                        rf"--expdir {tmp_path / 'unet'} "):
+        RunDirectoryLock(str(run_dir), "unet")
+    RunDirectoryLock(str(run_dir), "vit").release()
+    assert open(run_dir / "run.lock").read().splitlines()[1] == "model: vit"

@@ -1,0 +1,173 @@
+"""Timeouts that match the work (issue #40): every collective waits at most --collective_timeout seconds for the
+slowest rank, after which the job stops in one line; the ranks that wait for rank 0's checkpoint write wait on the
+host, in the rendezvous store, however long it takes, so a slow file system does not end the job. And NCCL is told
+each rank's GPU when the process group is made (`device_id`). Plain processes over gloo (each rank's exit code and
+output), the slowness injected by a script written into the test's folder (no switch in the product's code).
+
+A failure points to utils/comm.py (broadcast_from_rank0, explain_timeout, _build_groups) or utils/rendezvous.py.
+"""
+import datetime
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from sample_data import write_era5
+from tests.conftest import REPO_ROOT, run_plain_ranks
+
+# what each rank runs: train.py, with `slow` rank's 13th training read (mid-epoch) or its first checkpoint write
+# taking 8 s; `collective_wait` puts back the old wait for rank 0 (a collective broadcast: the twin)
+RANK_SCRIPT = """\
+import os, sys, time
+sys.path.insert(0, {root!r})
+import loaders.era5
+import lifecycle.run
+import train
+
+reads, writes = [0], [0]
+real_read_into = loaders.era5.ERA5Dataset.read_into
+real_save = lifecycle.run.save_checkpoint
+
+
+def read_into(self, year_idx, step, out):
+    if {slow!r} == "read" and "/train/" in self.files_paths[0] and os.environ["RANK"] == "1":
+        reads[0] += 1
+        if reads[0] == 13:
+            time.sleep(8)
+    return real_read_into(self, year_idx, step, out)
+
+
+def save_checkpoint(path, state):
+    writes[0] += 1
+    if {slow!r} == "write" and writes[0] == 1:
+        time.sleep(8)  # a slow parallel file system
+    return real_save(path, state)
+
+
+loaders.era5.ERA5Dataset.read_into = read_into
+lifecycle.run.save_checkpoint = save_checkpoint
+if {collective_wait}:
+    import torch.distributed as dist
+    import utils.comm
+
+    def broadcast_from_rank0(obj):
+        objects = [obj]
+        dist.broadcast_object_list(objects, src=0)
+        return objects[0]
+
+    utils.comm.broadcast_from_rank0 = broadcast_from_rank0
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory):
+    return str(write_era5(tmp_path_factory.mktemp("timeout") / "era5", height=16, width=32, steps_per_year=24,
+                          train_years=1, valid_years=1, test_years=1, verbose=False))
+
+
+def job(era5, tmp_path, slow, timeout_s, collective_wait=False):
+    """2 plain processes of train.py (tiny, local batch 1, 8 steps, a checkpoint at step 4, no loader workers):
+    (exit codes, outputs)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, slow=slow, collective_wait=collective_wait))
+    codes, outputs, _ = run_plain_ranks(
+        [sys.executable, str(script), "--config", "tiny", "--data_dir", era5, "--expdir", str(tmp_path / "exp"),
+         "--num_iters", "8", "--local_batch_size", "1", "--num_data_workers", "0", "--checkpoint_interval", "4",
+         "--dist_timeout", "60", "--collective_timeout", str(timeout_s)], 2, tmp_path, 120)
+    return codes, outputs
+
+
+def errors_of(outputs):
+    return [line for line in "".join(outputs).splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.multiprocess
+def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
+    """Rank 1 stalls 8 s mid-epoch; with --collective_timeout 3 rank 0's collective gives up after 3 s: every rank
+    exits non-zero, the console has one line, naming the flag, and no traceback."""
+    codes, outputs = job(era5, tmp_path, "read", 3)
+    console = "".join(outputs)
+    assert codes[0] == 2 and codes[1] != 0, (codes, console[-3000:])
+    assert errors_of(outputs) == [errors_of(outputs)[0]] and errors_of(outputs)[0].startswith(
+        "error: rank 0: a collective waited longer than --collective_timeout (3 s) for the other ranks"), console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_twin_a_longer_timeout_lets_the_same_stall_pass(era5, tmp_path):
+    """The check above can fail: the same 8 s stall under --collective_timeout 30 trains to the end on both ranks
+    (so the 3 s above, not the stall, ended that job)."""
+    codes, outputs = job(era5, tmp_path, "read", 30)
+    assert codes == [0, 0] and not errors_of(outputs), "".join(outputs)[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_the_others_wait_for_a_slow_checkpoint_write_without_a_collective(era5, tmp_path):
+    """Rank 0 takes 8 s to write its first checkpoint, longer than --collective_timeout 3: rank 1 waits for it in
+    the rendezvous store, and the job trains to the end and writes its checkpoints."""
+    codes, outputs = job(era5, tmp_path, "write", 3)
+    assert codes == [0, 0] and not errors_of(outputs), "".join(outputs)[-3000:]
+    assert "Checkpoint of iteration 8 written" in outputs[0], outputs[0][-3000:]
+
+
+@pytest.mark.multiprocess
+def test_twin_waiting_in_a_collective_the_slow_write_ends_the_job(era5, tmp_path):
+    """The check above can fail: with the old wait (rank 1 in a collective broadcast) the same slow write makes rank
+    1's broadcast time out and the job stops."""
+    codes, outputs = job(era5, tmp_path, "write", 3, collective_wait=True)
+    assert codes != [0, 0] and "--collective_timeout (3 s)" in "".join(outputs), "".join(outputs)[-3000:]
+
+
+@pytest.mark.parametrize("backend, device_id", [("nccl", "cuda:3"), ("gloo", None)])
+def test_nccl_is_told_the_gpu_and_every_group_the_timeout(monkeypatch, backend, device_id):
+    """The default process group gets the collective timeout, and under NCCL this rank's GPU (`device_id`: the
+    communicator is made at once and subgroups split from it); gloo gets no device. (The twin is the gloo case: a
+    device_id passed to every backend fails it.)"""
+    from utils import rendezvous
+    made = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: made.update(kwargs))
+    monkeypatch.setattr(rendezvous, "check_one_rank_per_gpu", lambda *args: None)
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 3)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    fake_store = object()
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(fake_store, 0, 1)]))
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    assert rendezvous.init_process_group((0, "127.0.0.1", 0), 1, backend, "GPU-uuid", 60, 42) is fake_store
+    assert made["timeout"] == datetime.timedelta(seconds=42) and made["backend"] == backend
+    assert str(made["device_id"]) == device_id if device_id else "device_id" not in made, made
+
+
+def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
+    """Of the ranks whose collective timed out, the first one (the store counts them) says so and marks itself the
+    failing one; the others say nothing (the slow rank then finds the failing note and stays quiet too)."""
+    from utils import comm
+
+    class Store:
+        def __init__(self):
+            self.values = {}
+
+        def add(self, key, n):
+            self.values[key] = self.values.get(key, 0) + n
+            return self.values[key]
+
+        def set(self, key, value):
+            self.values[key] = value
+
+        def check(self, keys):
+            return all(key in self.values for key in keys)
+
+    store = Store()
+    monkeypatch.setitem(comm._host, "store", store)
+    monkeypatch.setitem(comm._host, "timeout", 5.0)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 4)
+    monkeypatch.setattr(comm, "linger_for_the_others", lambda store, world: None)
+    said = []
+    for rank in (2, 3):
+        monkeypatch.setattr(comm, "get_world_rank", lambda rank=rank: rank)
+        said.append(comm.explain_lost_peer(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 5000ms for recv")))
+    assert said[0].startswith("rank 2: a collective waited longer than --collective_timeout (5 s)") and \
+        said[1] is None, said
+    assert store.values["failed"] == "2"
