@@ -122,6 +122,8 @@ def start_run(args, params, layout):
     apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
     signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
     register_cleanup(signals.uninstall)
+    if params.enable_jit:  # inductor's compile workers, before the first compile: they ignore Slurm's signals
+        signals.start_compile_workers()
     if args.parallel == "dp" and comm.get_world_size() > 1:
         raise UserError("--parallel dp runs one process over all GPUs; launch a single task "
                         "(no torchrun/srun tasks), or keep the default --parallel ddp")

@@ -19,6 +19,7 @@ and a signal that came before the first step stops the run where the ranks next 
 restore, the loop's first question) with one line and EXIT_CODE, no checkpoint written. Loader workers (PyTorch's and
 DALI's) never act on a signal: they start with the signals blocked (`workers_start_blocked`) and hand them to a
 thread (`ignore_in_worker`) that ignores them, except SIGTERM from their own parent (the loader closing them).
+Inductor's compile workers and multiprocessing's resource tracker keep them blocked for life (`start_compile_workers`).
 A second Ctrl-C stops at once (KeyboardInterrupt), in one line.
 
 This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked.
@@ -186,8 +187,7 @@ def workers_start_blocked():
     """Start worker processes inside this: they begin with the stop signals blocked (a child inherits the mask, also
     through spawn's exec), so no signal reaches one before `ignore_in_worker()` takes them over. In the main process
     the signals wait until the block ends (or reach another of its threads; the handler still records them)."""
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()  # started later, it would unblock SIGINT and SIGTERM in this thread (spawn)
+    start_resource_tracker()  # started later (spawn), it would unblock SIGINT and SIGTERM in this thread
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -230,3 +230,47 @@ def _wait_in_worker(parent):
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_signo == signal.SIGTERM and info.si_pid == parent:
             os._exit(0)  # what PyTorch's own worker handler does on its loader's SIGTERM
+
+
+# --- helpers that torch and multiprocessing start: inductor's compile workers, the resource tracker ---
+
+def start_resource_tracker():
+    """multiprocessing's resource tracker (one process per training process, started when first needed: DALI's
+    spawned workers, shared memory) blocks and ignores SIGINT and SIGTERM itself, not SIGUSR1, of which it would
+    die. Started here, it keeps the stop signals blocked for life (a child inherits the mask, also through exec); one
+    already running stays as it was started."""
+    from multiprocessing import resource_tracker
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # ensure_running() unblocked SIGINT and SIGTERM: put back
+
+
+def start_compile_workers():
+    """At the start of a run that compiles (--enable_jit), before its first compile: inductor's compile workers,
+    started now with the stop signals blocked, which they keep for life (Slurm's SIGUSR1, SIGTERM and Ctrl-C reach
+    every process of the step; the training process alone acts on them). Started at the first compile, as torch does,
+    the pool died of SIGUSR1, and any later compile failed (torch 2.14: "Attempting to use a closed pool") or hung
+    (torch 2.5). The pool is a sidecar process (torch/_inductor/compile_worker/__main__.py, by subprocess.Popen)
+    whose ProcessPoolExecutor forks the workers; torch 2.5 starts it on the import of torch._inductor.async_compile,
+    torch 2.14 in maybe_warm_pool() (what its inductor backend calls first), both only where Triton is installed and
+    compile_threads > 1. The resource tracker is started here too, blocked (`start_resource_tracker`)."""
+    import atexit
+    with workers_start_blocked():
+        from torch._inductor import async_compile  # torch 2.5: starts the pool on this import
+        if hasattr(async_compile, "maybe_warm_pool"):  # torch 2.14: the sidecar, which forks its workers at once
+            async_compile.maybe_warm_pool()
+    if not _state.get("compile_workers_quiesce"):
+        _state["compile_workers_quiesce"] = True
+        atexit.register(_quiesce_compile_workers)  # after torch's shutdown_compile_workers: runs before it
+
+
+def _quiesce_compile_workers():
+    """At exit, before torch's shutdown: torch 2.14's sidecar ends its workers with SIGTERM, which they no longer
+    hear, so it would wait 10 s for each pool and then kill them; told to quiesce first, it closes its pool the
+    ordinary way (each worker ends on its queue's sentinel). torch 2.5 closes its pool that way anyway."""
+    from torch._inductor import async_compile
+    for pool in list(async_compile._pool_set):
+        with contextlib.suppress(Exception):  # a pool already closed, or a kind without quiesce (torch 2.5)
+            pool.quiesce()
