@@ -3,7 +3,8 @@
     python -m benchmarks.bench_levers --data_dir data/gpu_table/full/era5 --out bench_results/gpu/levers.json
 
 Step alone (one batch kept on the GPU, ms per step): the tokens contiguous after the patch embedding against the
-transposed view they were before; scaled_dot_product_attention's kernels (torch's choice, cuDNN, FlashAttention-2,
+transposed view they were before; q, k and v from one GEMM of the three weights joined at run time (a candidate,
+not yet in the model: kept only if a GPU says it gains); scaled_dot_product_attention's kernels (torch's choice, cuDNN, FlashAttention-2,
 memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the batch copied on the
 loader's copy stream beside the step before it, against the copy on the compute stream (GPU only), and the
 workers' requests kept going across epochs against one epoch's requests at a time, restarted at each boundary
@@ -44,6 +45,19 @@ def transposed_tokens(self, x):
     return self.proj(x).flatten(2).transpose(1, 2)
 
 
+def qkv_one_gemm(self, x):
+    """Attention.forward with q, k and v from one GEMM (a candidate, issue #39): the three weights (and biases) joined
+    at run time, so the model and its state_dict stay as they are; the join costs a copy of 3 x dim^2 weights a step.
+    Equal to the three GEMMs within rounding (tests/perf/test_bench.py)."""
+    B, N, E = x.shape
+    bias = None if self.q.bias is None else torch.cat([self.q.bias, self.k.bias, self.v.bias])
+    qkv = torch.nn.functional.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]), bias)
+    q, k, v = qkv.view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                            dropout_p=self.attn_drop if self.training else 0.0)
+    return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, E)))
+
+
 def copy_on_the_compute_stream(self, host, device):
     """TorchLoader._on_device as it was: each batch copied on the loop's stream when the loop asks for it (after the
     step before it), the slot freed by an event on that stream."""
@@ -75,6 +89,7 @@ TORCH_LOADER, RING_SAMPLER = loader_common.TorchLoader, loader_common.RingBatchS
 VARIANTS = {  # name: (what, [(where it is patched, attribute, replacement)], needs CUDA)
     "now": ("as the code is now", [], False),
     "tokens_transposed": ("tokens as a transposed view", [(vit.PatchEmbed, "forward", transposed_tokens)], False),
+    "qkv_one_gemm": ("q, k, v from one GEMM", [(vit.Attention, "forward", qkv_one_gemm)], False),  # a candidate
     "copy_on_compute_stream": ("copy on the compute stream",
                                [(TORCH_LOADER, "_on_device", copy_on_the_compute_stream)], True),
     "loader_restarted_each_epoch": ("loader restarted each epoch", [(TORCH_LOADER, "set_epoch", restarted_each_epoch),

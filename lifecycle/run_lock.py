@@ -34,10 +34,10 @@ class RunDirectoryLock:
                         if line.startswith("model:")), model)
         if used_by != model:
             self.file.close()
+            expdir = os.path.dirname(os.path.dirname(os.path.dirname(exp_dir)))  # <expdir>/<config>/<layout>/<run>
             raise UserError(f"run directory '{exp_dir}' holds a run of the {used_by} model, not the {model}: the "
-                            "stages' configs share names (short, base, ...); give this stage a folder of its own, "
-                            f"--expdir {os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(exp_dir))), model)}"
-                            " (its YAML file's default), or another --run_num")
+                            "stages' configs share names (short, base, ...); give this stage a folder of its own "
+                            f"(e.g. --expdir {os.path.join(expdir, model)}) or another --run_num")
         try:
             self.file.seek(0)
             self.file.truncate()

@@ -129,21 +129,54 @@ def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp
     CUDA-only kernels said not run; every patched method restored afterwards."""
     from benchmarks import bench_levers
     from loaders.common import RingBatchSampler, TorchLoader
-    from networks.vit import PatchEmbed
+    from networks.vit import Attention, PatchEmbed
     from tests.conftest import REPO_ROOT
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(bench_levers.torch.cuda, "is_available", lambda: False)
-    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__)
+    originals = (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__,
+                 Attention.forward)
     out = tmp_path / "levers.json"
     assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "2",
                               "--warmup", "1", "--workers", "1"]) == 0
     report = json.loads(out.read_text())
-    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed"}
-    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "loader_restarted_each_epoch"}
+    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm"}
+    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm", "loader_restarted_each_epoch"}
     assert all(value > 0 for value in [*report["step_alone_ms"].values(), *report["with_loader_ms"].values()])
     assert report["attention_ms"]["auto"] > 0 and report["attention_ms"]["flash"] > 0
     assert report["attention_ms"]["cudnn"].startswith("not run: --sdpa_backend cudnn is a CUDA kernel")
-    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__) == originals
+    assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__,
+            Attention.forward) == originals
+
+
+@pytest.mark.parametrize("joined, tolerance", [(True, 1e-5), (False, None)])
+def test_qkv_from_one_gemm_is_the_three_gemms_within_rounding(joined, tolerance):
+    """The lever candidate `qkv_one_gemm` (bench_levers.py): the same attention output and the same gradients of q,
+    k and v's weights as the three GEMMs, in fp32 within 1e-5. Its twin joins the weights in the wrong order (k, q,
+    v) and differs."""
+    from benchmarks import bench_levers
+    from networks.vit import Attention
+    torch.manual_seed(0)
+    attention, x = Attention(48, 4), torch.randn(2, 10, 48)
+
+    def wrong_order(self, x):
+        self.q, self.k = self.k, self.q
+        try:
+            return bench_levers.qkv_one_gemm(self, x)
+        finally:
+            self.q, self.k = self.k, self.q
+
+    outputs, grads = [], []
+    for forward in (Attention.forward, bench_levers.qkv_one_gemm if joined else wrong_order):
+        attention.zero_grad()
+        out = forward(attention, x)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append(torch.cat([layer.weight.grad.flatten() for layer in (attention.q, attention.k, attention.v)]))
+    if joined:
+        torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(grads[1], grads[0], atol=tolerance, rtol=tolerance)
+    else:
+        assert not torch.allclose(outputs[1], outputs[0], atol=1e-3)
 
 
 def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():

@@ -138,7 +138,7 @@ def test_a_run_directory_of_another_model_is_refused_in_one_line(tmp_path):
     run_dir.mkdir(parents=True)
     RunDirectoryLock(str(run_dir), "vit").release()
     with pytest.raises(UserError, match=rf"^run directory '{run_dir}' holds a run of the vit model, not the unet: .*"
-                                        rf"--expdir {tmp_path / 'unet'} "):
+                                        rf"\(e.g. --expdir {tmp_path / 'unet'}\) or another --run_num$"):
         RunDirectoryLock(str(run_dir), "unet")
     RunDirectoryLock(str(run_dir), "vit").release()
     assert open(run_dir / "run.lock").read().splitlines()[1] == "model: vit"
