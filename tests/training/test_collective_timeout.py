@@ -171,3 +171,51 @@ def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
     assert said[0].startswith("rank 2: a collective waited longer than --collective_timeout (5 s)") and \
         said[1] is None, said
     assert store.values["failed"] == "2"
+
+
+class PollStore:
+    """A rendezvous store as rank 1 sees it while it waits for rank 0's post: rank 0's heartbeat moves (`beating`)
+    or not, and the post arrives at the `post_after`-th look (never if None)."""
+
+    def __init__(self, beating, post_after=None):
+        self.values, self.looks, self.beating, self.post_after = {}, 0, beating, post_after
+
+    def check(self, keys):
+        if keys == ["rank0_post/1"]:
+            self.looks += 1
+            if self.post_after is not None and self.looks >= self.post_after:
+                import pickle
+                self.values["rank0_post/1"] = pickle.dumps("rank 0's answer")
+        return all(key in self.values for key in keys)
+
+    def add(self, key, n):
+        if key == "rank0_beat" and self.beating:
+            n = 1
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
+
+    def get(self, key):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("beating", [False, True])
+def test_a_rank_waiting_for_rank_0_gives_up_when_its_heartbeat_stops(monkeypatch, beating):
+    """Under torchrun the agent holds the store, so a dead rank 0 does not take it along: a rank waiting for rank 0's
+    post gives up (as a lost peer: utils/errors.py's one line) once rank 0's heartbeat has not moved for
+    RANK0_SILENT_S. The twin: a beating rank 0 that takes long (a slow checkpoint write) is waited for, and its post
+    read."""
+    from utils import comm
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "is_dry_run", lambda: False)
+    monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
+    monkeypatch.setattr(comm, "RANK0_SILENT_S", 0.3)
+    monkeypatch.setattr(comm, "RANK0_POLL_S", (0.01, 0.01))
+    store = PollStore(beating, post_after=None if not beating else 100)  # 100 looks: about 1 s, over 0.3 s
+    monkeypatch.setitem(comm._host, "store", store)
+    monkeypatch.setitem(comm._host, "posts", 0)
+    if beating:
+        assert comm.broadcast_from_rank0(None) == "rank 0's answer"
+        assert store.values["rank0_post/1/read"] == 1  # rank 0 may wait for this before it exits on an error
+    else:
+        with pytest.raises(RuntimeError, match="Connection closed by peer: rank 0's heartbeat stopped 0.3 s ago"):
+            comm.broadcast_from_rank0(None)
