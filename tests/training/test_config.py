@@ -118,6 +118,7 @@ def test_stages_whose_configs_share_a_name_write_to_different_run_directories():
     own defaults no two stages' runs of one name land in the same <expdir>/<config>/ folder (issue #40). The ViT keeps
     the original's /logs; the others add their model's folder."""
     import glob
+
     import yaml
     by_name = {}
     for path in sorted(glob.glob("config/*.yaml")):
