@@ -3,14 +3,14 @@
     python -m benchmarks.bench_levers --data_dir data/gpu_table/full/era5 --out bench_results/gpu/levers.json
 
 Step alone (one batch kept on the GPU, ms per step): the tokens contiguous after the patch embedding against the
-transposed view they were before; q, k and v from one GEMM of the three weights joined at run time (a candidate,
-not yet in the model: kept only if a GPU says it gains); scaled_dot_product_attention's kernels (torch's choice,
-cuDNN, FlashAttention-2, memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the batch copied on the
-loader's copy stream beside the step before it, against the copy on the compute stream (GPU only), and the
-workers' requests kept going across epochs against one epoch's requests at a time, restarted at each boundary
-after a device-wide sync (as before). Each variant changes one thing; the others stay as they are now. A kernel
-that cannot run a shape, or a lever that needs CUDA, is reported with the reason. `--tiny` uses the `tiny` config
-(a check of this script on any machine).
+transposed view they were before; q, k and v from one GEMM of the three weights joined at run time (a candidate, not
+yet in the model: kept only if a GPU says it gains); scaled_dot_product_attention's kernels (torch's choice, cuDNN,
+FlashAttention-2, memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the
+batch copied on the loader's copy stream beside the step before it, against the copy on the compute stream (GPU
+only), and the workers' requests kept going across epochs against one epoch's requests at a time, restarted at each
+boundary after a device-wide sync (as before). Each variant changes one thing; the others stay as they are now. A
+kernel that cannot run a shape, or a lever that needs CUDA, is reported with the reason. `--tiny` uses the `tiny`
+config (a check of this script on any machine).
 """
 import contextlib
 import copy

@@ -91,7 +91,8 @@ def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
     assert codes[0] == 2 and codes[1] != 0, (codes, console[-3000:])
     errors = errors_of(outputs)
     assert len(errors) == 1 and errors[0].startswith(
-        "error: rank 0: a collective waited longer than --collective_timeout (3 s) for the other ranks"), console[-3000:]
+        "error: rank 0: a collective waited longer than --collective_timeout (3 s) for the other ranks"), \
+        console[-3000:]
     assert "Traceback" not in console, console[-3000:]
 
 
