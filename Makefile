@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement plan example-logs figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-fast test-compat lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement stress-exit plan example-logs figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -105,6 +105,12 @@ bench-loader: install
 # the ranks' agreement on a stop signal, per step, blocking against in-loop, on 2, 8 and 16 CPU ranks (gloo)
 bench-agreement: install
 	$(PY) -m benchmarks.bench_agreement --ranks 2 8 16 --out bench_results/stop_agreement.json
+
+# not in `make test` (about 15 minutes a torch): the 4-rank start-to-exit cycle of train_mp.py looped 30 times and the
+# process group's teardown 300 times, on the container's torch 2.5 and on .venv's; fails if any rank hung (#40 item 10)
+stress-exit: install install-compat
+	$(COMPAT_PY) -m benchmarks.stress_exit --cycles 30 --teardowns 300 --out bench_results/stress_exit_torch2.5.json
+	$(PY) -m benchmarks.stress_exit --cycles 30 --teardowns 300 --out bench_results/stress_exit.json
 
 bench-loader-cosmo: install
 	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --repeats 5 --out bench_results/loader_cosmo.json

@@ -11,4 +11,4 @@ from lifecycle import signals
 TRAINING_SCRIPTS = ("train.py", "train_graph.py", "train_mp.py", "train_mp_graphs.py")
 
 if os.path.basename(getattr(sys.modules["__main__"], "__file__", None) or "") in TRAINING_SCRIPTS:
-    signals.record_from_start()
+    signals.record_from_start(program=True)

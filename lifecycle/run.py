@@ -122,8 +122,6 @@ def start_run(args, params, layout):
     apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
     signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
     register_cleanup(signals.uninstall)
-    if params.enable_jit:  # inductor's compile workers, before the first compile: they ignore Slurm's signals
-        signals.start_compile_workers()
     if args.parallel == "dp" and comm.get_world_size() > 1:
         raise UserError("--parallel dp runs one process over all GPUs; launch a single task "
                         "(no torchrun/srun tasks), or keep the default --parallel ddp")
@@ -131,6 +129,8 @@ def start_run(args, params, layout):
         raise UserError("--desired_acc needs a classification model (config/ResNet50.yaml)")
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
+    if params.enable_jit:  # inductor's compile workers, before the first compile: they ignore Slurm's signals
+        signals.start_compile_workers()
     device = comm.get_device()
     select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
     register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
@@ -242,16 +242,21 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
     comm.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
+    if signals.stopped_by():  # the stop's checkpoint: a signal from now on is ignored (signals.ending)
+        signals.ending(signals.EXIT_CODE, at_once=False)
 
 
 def finish_run(run):
     """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
-    free the run directory; after a stop on a signal, exit with signals.EXIT_CODE."""
+    free the run directory; after a stop on a signal, exit with signals.EXIT_CODE. Once done is said, a signal ends
+    the process at once with the run's own exit code (signals.ending), and the group's teardown cannot hang
+    (comm.leave_process_group)."""
     if run.writer is not None:
         run.writer.close()
         logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")
     comm.barrier()
     logging.info(f"DONE ---- rank {run.rank}")
+    signals.ending(signals.EXIT_CODE if signals.stopped_by() else 0)
     comm.destroy()
     if run.lock is not None:
         run.lock.release()

@@ -20,7 +20,9 @@ restore, the loop's first question) with one line and EXIT_CODE, no checkpoint w
 DALI's) never act on a signal: they start with the signals blocked (`workers_start_blocked`) and hand them to a
 thread (`ignore_in_worker`) that ignores them, except SIGTERM from their own parent (the loader closing them).
 Inductor's compile workers and multiprocessing's resource tracker keep them blocked for life (`start_compile_workers`).
-A second Ctrl-C stops at once (KeyboardInterrupt), in one line.
+A second Ctrl-C stops at once (KeyboardInterrupt), in one line, until the stop's checkpoint is written; from then
+on a signal is ignored in one line, and once the run's last line is said it ends the process at once with the
+run's own exit code (`ending`).
 
 This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked.
 """
@@ -47,6 +49,9 @@ _in_flight = collections.deque()  # agreements started at the last boundaries (u
 def _record(signum, frame):
     if os.getpid() != _state["pid"]:  # a forked process that has not taken its signals over yet: not its to act on
         return
+    if _state.get("ending") is not None:  # the run's work is done (ending())
+        _late(signum)
+        return
     if _state["received"] is None:
         _state["received"] = signum
         logging.info(f"{signal.Signals(signum).name} received: stopping after this step, with a checkpoint")
@@ -59,11 +64,12 @@ def _handle(signum):
     _state["previous"].setdefault(signum, previous)  # what was there before the first install: uninstall() restores it
 
 
-def record_from_start():
+def record_from_start(program=False):
     """The first line of a training script: record the stop signals from now on (torch's import takes seconds, a
     rendezvous minutes), so that `install()` finds one that came early; a KeyboardInterrupt that ends the script
-    (a second Ctrl-C) is said in one line, not a traceback."""
-    _state.update(received=None, agreed=None, pid=os.getpid(), early=True)
+    (a second Ctrl-C) is said in one line, not a traceback. `program`: the script is this process's program
+    (lifecycle/early_signals.py), whose end `ending()` may hasten."""
+    _state.update(received=None, agreed=None, pid=os.getpid(), early=True, script=os.getpid() if program else None)
     for signum in STOP_SIGNALS:
         _handle(signum)
     if not getattr(sys.excepthook, "one_line_interrupt", False):
@@ -85,13 +91,16 @@ def install():
     """Record SIGTERM, SIGINT and SIGUSR1 from now on (main thread), keeping one recorded since `record_from_start()`
     (a new run in the same process forgets an old one); `uninstall()` puts the old handlers back."""
     kept = _state["received"] if _state["early"] and _state["pid"] == os.getpid() else None
-    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False, parent=os.getppid())
+    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False, parent=os.getppid(), ending=None)
     _in_flight.clear()
     for signum in STOP_SIGNALS:
         _handle(signum)
 
 
 def uninstall():
+    if _ends_at_once():  # a training script whose run has ended: a signal still ends it at once, with the run's code
+        return
+    _state["ending"] = None
     for signum, handler in _state["previous"].items():
         signal.signal(signum, handler)
     _state["previous"].clear()
@@ -175,9 +184,78 @@ def stop_before_training(where, run_dir=None):
                    f"'{run_dir}')")
         logging.info(f"stopped by {name} during {where}, before the first step; {written}, starting again resumes "
                      "here")
+        ending(EXIT_CODE)  # from here a signal ends the process at once, with EXIT_CODE
         from utils import comm
         comm.destroy()
         raise SystemExit(EXIT_CODE)
+
+
+# --- the run's end: its work done, a signal no longer changes what the run did, nor its exit code ---
+
+_exiting = threading.Lock()
+
+
+def ending(code, at_once=True):
+    """The run's work is done, and its exit code is `code` (0: finished; EXIT_CODE: stopped on a signal). With
+    `at_once` False, the stop's checkpoint is written and the run goes on to its last lines: a signal is ignored (no
+    second-Ctrl-C interrupt, which would say no checkpoint was written). With `at_once` (its last line is said: DONE,
+    or a stop before the first step) a signal ends the process at once with `code`, not the signal's status (130,
+    143), also while the main thread waits in C++ (the process group's teardown) or the interpreter's end. Either way
+    one line (rank 0) says the signal was ignored. Only where a training script is the program (early_signals.py): a
+    test or notebook that runs a script's main() keeps its own Ctrl-C."""
+    if _state.get("script") != os.getpid() or _state["pid"] != os.getpid():
+        return
+    _state["ending"] = {"code": code, "at_once": at_once}
+    if at_once:
+        _exit_on_a_signal_in_any_thread()
+
+
+def _ends_at_once():
+    return bool((_state.get("ending") or {}).get("at_once")) and _state.get("script") == os.getpid()
+
+
+def _late(signum):
+    """A signal after the run's work was done (ending()): one line (rank 0); at once, the process's end."""
+    code, at_once, name = _state["ending"]["code"], _state["ending"]["at_once"], signal.Signals(signum).name
+    if not at_once:
+        logging.info(f"{name} came after the stop's checkpoint: ignored; the run ends as it was ending, with exit "
+                     f"code {code}")
+        return
+    if not _exiting.acquire(blocking=False):
+        return  # another thread is ending the process
+    with contextlib.suppress(Exception):  # the interpreter's end may have closed the streams already
+        logging.info(f"{name} came after the run's end: ignored; the process exits now with the run's exit code "
+                     f"{code}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_on_a_signal_in_any_thread():
+    """A Python handler runs in the main thread between two bytecodes, not while it waits in C++. The signal's number
+    also goes down a pipe (signal.set_wakeup_fd, written by the C handler in whichever thread the signal lands) to a
+    thread that ends the process as the handler would."""
+    if _state.get("wakeup") == os.getpid():
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: the Python handler alone
+        os.close(read_end)
+        os.close(write_end)
+        return
+    _state["wakeup"] = os.getpid()
+    threading.Thread(target=_wait_for_a_late_signal, args=(read_end,), name="late-signals", daemon=True).start()
+
+
+def _wait_for_a_late_signal(read_end):
+    while True:
+        for signum in os.read(read_end, 64):
+            if signum in STOP_SIGNALS and os.getpid() == _state["pid"]:  # not SIGCHLD's (a loader's own handler)
+                _late(signum)
 
 
 # --- loader workers: forked (PyTorch) or spawned (DALI) processes that the main process starts and stops ---

@@ -14,8 +14,10 @@ Unknown group names have size 1 and rank 0, so code written for tp and cp also r
 import contextlib
 import datetime
 import logging
+import math
 import os
 import pickle
+import threading
 import time
 
 import torch
@@ -177,7 +179,7 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
     else:
         layout = Layout.from_dict(layout if layout is not None else {}, world_size)
     generator = layout.grid()
-    if collective_timeout <= 0:
+    if not (math.isfinite(collective_timeout) and collective_timeout > 0):
         raise UserError(f"--collective_timeout is {collective_timeout:g}; give the seconds a collective may wait "
                         "for the other ranks (default 600)")
     _groups.clear()
@@ -192,6 +194,8 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
                                                        "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
                                                        rendezvous_timeout, collective_timeout)
         on_job_failures(announce_failure, explain_lost_peer)
+        if get_world_rank() == 0:
+            _beat_while_alive(_host["store"])
     if dist.is_initialized():
         _build_groups(generator)
     if get_world_rank() == 0:
@@ -301,11 +305,39 @@ def on_rank0(action):
             error = str(err)
     error = broadcast_from_rank0(error)
     if error:
+        if get_world_rank() == 0 and _host.get("store") is not None and "posts" in _host:
+            _until_read(_host["posts"])  # rank 0's process may hold the store: it stays up until the others read
         raise UserError(error)
     return result
 
 
 RANK0_POLL_S = (0.005, 0.5)  # how often a rank waiting for rank 0's post looks at the store: first, at most
+RANK0_BEAT_S = 2.0  # how often rank 0's heartbeat thread writes its count in the store
+RANK0_SILENT_S = 20.0  # a rank 0 whose heartbeat has not moved for this long is gone (torchrun's agent holds the
+# store then, and kills every rank 30 s after one died): shorter than that, longer than any pause of a live thread
+RANK0_READ_WAIT_S = 10.0  # how long rank 0 waits for the others to read an error it posted before it exits
+
+
+def _beat_while_alive(store):
+    """Rank 0: a daemon thread that counts up a key in the store every RANK0_BEAT_S while the process lives (also
+    while its main thread writes a checkpoint for minutes): the others' sign that a rank 0 they wait for is alive."""
+    def beat():
+        with contextlib.suppress(Exception):  # the store is gone (the job ends), or a new one replaced it
+            while _host.get("store") is store:
+                store.add("rank0_beat", 1)
+                time.sleep(RANK0_BEAT_S)
+    threading.Thread(target=beat, name="rank0-heartbeat", daemon=True).start()
+
+
+def _until_read(number):
+    """Rank 0, having posted an error: wait (at most RANK0_READ_WAIT_S) until every other rank has read post
+    `number`, so that none finds the store gone (rank 0's process holds it under srun) and blames rank 0."""
+    store, deadline = _host.get("store"), time.monotonic() + RANK0_READ_WAIT_S
+    with contextlib.suppress(Exception):
+        while store is not None and time.monotonic() < deadline:
+            if store.add(f"rank0_post/{number}/read", 0) >= world_size_to_be() - 1:
+                return
+            time.sleep(0.01)
 
 
 def broadcast_from_rank0(obj):
@@ -326,26 +358,61 @@ def broadcast_from_rank0(obj):
     if get_world_rank() == 0:
         store.set(key, pickle.dumps(obj))
         return obj
-    pause = RANK0_POLL_S[0]
+    pause, beat, beat_moved = RANK0_POLL_S[0], None, time.monotonic()
     try:
         while not store.check([key]):  # check, not wait: a wait that times out warns on stderr every time
+            if store.check(["failed"]):  # rank 0 said why it stops (a OneRankError): its line is the job's last
+                raise RuntimeError("Connection closed by peer: rank 0 stopped with its own line")
+            now_beat = store.add("rank0_beat", 0)
+            if now_beat != beat:
+                beat, beat_moved = now_beat, time.monotonic()
+            elif time.monotonic() - beat_moved > RANK0_SILENT_S:  # rank 0 is gone; the store (torchrun's) is not
+                raise RuntimeError(f"Connection closed by peer: rank 0's heartbeat stopped {RANK0_SILENT_S:g} s ago")
             time.sleep(pause)
             pause = min(2 * pause, RANK0_POLL_S[1])
-        return pickle.loads(store.get(key))
-    except dist.DistNetworkError as err:  # rank 0's process held the store: it is gone (utils/errors.py: one line)
-        raise RuntimeError(f"Connection closed by peer: rank 0's rendezvous store ({err})") from None
+        obj = pickle.loads(store.get(key))
+        store.add(f"{key}/read", 1)
+        return obj
+    except dist.DistNetworkError:  # rank 0's process held the store: it is gone (utils/errors.py: one line)
+        _host["store"] = None  # not asked again: its answer would be a second warning of torch's
+        raise RuntimeError("Connection closed by peer: rank 0's rendezvous store is gone") from None
 
 
 def destroy():
     """Leave the process group and forget the named groups and the grid (a single process's again): a subgroup kept
     alive after the world is destroyed keeps gloo's threads running until the interpreter exits, which can abort it
-    ("terminate called...")."""
+    ("terminate called..."). The groups' backends are torn down without the GIL (leave_process_group)."""
     _groups.clear()
     _host.clear()
     _layout["now"] = Layout()
     on_job_failures()  # a later error of this process is no longer a peer's
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_process_group()
+
+
+def _backends():
+    """The backend (gloo's, NCCL's) of every process group of this process, each as a Python object of its own."""
+    found = []
+    for group in list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})):
+        for device in ("cpu", "cuda"):
+            with contextlib.suppress(Exception):  # no backend for that device (or none at all: the fake one)
+                backend = group._get_backend(torch.device(device))
+                if all(backend is not other for other in found):
+                    found.append(backend)
+    return found
+
+
+def leave_process_group():
+    """dist.destroy_process_group(), with each group's backend torn down without the GIL. Tearing gloo down joins
+    its worker threads, and a worker may need the GIL to finish its last work: to free a tensor Python has let go
+    of (the work's reset, just after the rank's wait returned), or to run a Python callback of its future. Torch
+    2.5's ProcessGroup keeps the GIL while it is destroyed (torch 2.14's lets it go), so a rank whose worker was
+    still that late hung for good in destroy_process_group, deaf to SIGTERM (a Python handler needs the GIL too).
+    Held here, each backend outlives its ProcessGroup and goes last, from a Python object whose teardown lets the
+    GIL go (torch's own holder for backends): the worker takes the GIL, finishes, and the join returns."""
+    backends = _backends()
+    dist.destroy_process_group()
+    backends.clear()  # the last references: gloo's threads are joined here, without the GIL
 
 
 def note_checkpoint(path, iteration):
@@ -373,7 +440,7 @@ def announce_failure(message):
         if abort is not None and dist.get_backend() == "nccl":
             abort()
         else:
-            dist.destroy_process_group()
+            leave_process_group()
     if rank == 0 and store is not None:
         try:
             linger_for_the_others(store, world)  # the others read the note from the store this process holds

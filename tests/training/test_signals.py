@@ -315,17 +315,15 @@ def test_without_the_first_line_a_signal_during_the_imports_kills_the_run_silent
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
-    """Two SIGINTs in quick succession: the second stops at once (KeyboardInterrupt, SIGINT's status), said in one
-    line. The second goes out as soon as the first is recorded: two that both arrive before Python runs its handler
-    are one signal to it (the run then stops at the step boundary, with 75)."""
+    """Two SIGINTs: the second, before the stop's checkpoint is written (the run held there, as a slow write would),
+    stops at once (KeyboardInterrupt, SIGINT's status), said in one line. (After the checkpoint it is ignored:
+    test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exits_75.)"""
     from lifecycle.signals import INTERRUPTED
-    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "2000", "--expdir", str(tmp_path)]
-    log_path = tmp_path / "run.log"
-    process = start_in_own_group(argv, log_path)
+    process, log_path, _ = start_late(tmp_path, era5_dir, "save", 2000)
     wait_until(process, log_path, lambda: "Starting Training Loop" in log_path.read_text(), "the loop")
-    os.killpg(process.pid, signal.SIGINT)
-    wait_until(process, log_path, lambda: "SIGINT received" in log_path.read_text(), "the first SIGINT")
-    os.killpg(process.pid, signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    wait_until(process, log_path, lambda: "HOLD save" in log_path.read_text(), "the stop's checkpoint")
+    process.send_signal(signal.SIGINT)
     code = process.wait(timeout=120)
     output = log_path.read_text()
     assert code == -signal.SIGINT, (code, output[-3000:])
@@ -433,3 +431,135 @@ def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, t
         for pid in ranks_of(expdir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+LATE_SCRIPT = """\
+import atexit, ctypes, os, sys, time
+sys.path.insert(0, {root!r})
+sys.modules["__main__"].__file__ = "train.py"  # a training script's own process: lifecycle/early_signals.py acts
+import train
+from lifecycle import signals
+from utils import comm
+hold, go = {hold!r}, {go!r}
+
+
+def hold_here(where):
+    print(f"HOLD {{where}}", flush=True)
+    deadline = time.time() + 60
+    while not os.path.exists(go + where) and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def stuck():  # the main thread waits in C without the GIL, as in a process group's teardown, and never returns
+    print("HOLD destroy", flush=True)
+    libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+
+
+if {ending_off}:
+    signals.ending = lambda *args, **kwargs: None
+if {thread_off}:
+    signals._exit_on_a_signal_in_any_thread = lambda: None
+if "save" in hold:  # before a checkpoint is written
+    save = train.save
+    train.save = lambda *args: (hold_here("save"), save(*args))[1]
+if "finish" in hold:  # after the stop's checkpoint, before the run's last lines
+    finish_run = train.finish_run
+    train.finish_run = lambda run: (hold_here("finish"), finish_run(run))
+if "destroy" in hold:
+    comm.destroy = stuck
+if "exit" in hold:  # the interpreter's end, after main() and its cleanups
+    atexit.register(hold_here, "exit")
+train.main(sys.argv[1:])
+"""
+LATE_LINE = "{} came after the run's end: ignored; the process exits now with the run's exit code {}"
+
+
+def start_late(tmp_path, era5_dir, hold, iters, ending_off=False, thread_off=False):
+    """train.py (its own process, the late signals' handling on or off) held where `hold` says until the file
+    `go` + the place exists. Returns (process, log path, go)."""
+    script, go = tmp_path / "late.py", str(tmp_path / "go_")
+    script.write_text(LATE_SCRIPT.format(root=REPO_ROOT, hold=hold, go=go, ending_off=ending_off,
+                                         thread_off=thread_off))
+    log_path = tmp_path / "run.log"
+    process = start_command([str(script), "--config", "tiny", "--data_dir", era5_dir, "--num_iters", str(iters),
+                             "--checkpoint_interval", "0", "--expdir", str(tmp_path / "runs")], log_path)
+    return process, log_path, go
+
+
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_a_signal_after_a_finished_run_s_last_line_ends_it_at_once_with_0_and_one_line(era5_dir, tmp_path,
+                                                                                        switched_off):
+    """SIGTERM while a finished run ends (after DONE, its cleanups done, the interpreter ending: held here for up
+    to a minute) ends the process at once with the run's own exit code 0 and one line. Twin, without
+    signals.ending: the handlers put back at the end are the defaults, and SIGTERM's status (143) says the run
+    failed."""
+    process, log_path, _ = start_late(tmp_path, era5_dir, "exit", 4, ending_off=switched_off)
+    wait_until(process, log_path, lambda: "HOLD exit" in log_path.read_text(), "the interpreter's end")
+    process.send_signal(signal.SIGTERM)
+    start = time.time()
+    code = process.wait(timeout=120)
+    output = log_path.read_text()
+    assert "DONE ---- rank 0" in output and "Traceback" not in output, output[-3000:]
+    if switched_off:
+        assert code == -signal.SIGTERM and "came after" not in output, (code, output[-3000:])
+        return
+    assert code == 0 and time.time() - start < 20, (code, output[-3000:])
+    assert output.count(LATE_LINE.format("SIGTERM", 0)) == 1, output[-3000:]
+
+
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exits_75(era5_dir, tmp_path,
+                                                                                     switched_off):
+    """Ctrl-C stops a run with a checkpoint; a second Ctrl-C after that checkpoint (the run held before its last
+    lines) is ignored in one line, and the run goes on to DONE; SIGTERM once it ends exits at once with 75, the
+    stop's own code (the submit scripts requeue on it), in one line. Twin, without signals.ending: the second
+    Ctrl-C interrupts with 'stopped at once, without a checkpoint' (untrue) and SIGINT's status (130)."""
+    from lifecycle import signals
+    process, log_path, go = start_late(tmp_path, era5_dir, "finish exit", 2000, ending_off=switched_off)
+    wait_until(process, log_path, lambda: "Starting Training Loop" in log_path.read_text(), "the loop")
+    process.send_signal(signal.SIGINT)
+    wait_until(process, log_path, lambda: "HOLD finish" in log_path.read_text(), "the stop's checkpoint")
+    assert "Checkpoint of iteration" in log_path.read_text()
+    process.send_signal(signal.SIGINT)
+    if switched_off:
+        code = process.wait(timeout=120)
+        output = log_path.read_text()
+        assert code == -signal.SIGINT and output.count(signals.INTERRUPTED) == 1, (code, output[-3000:])
+        return
+    ignored = "SIGINT came after the stop's checkpoint: ignored; the run ends as it was ending, with exit code 75"
+    wait_until(process, log_path, lambda: ignored in log_path.read_text(), "the ignored second Ctrl-C")
+    open(go + "finish", "w").close()
+    wait_until(process, log_path, lambda: "HOLD exit" in log_path.read_text(), "the interpreter's end")
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=120)
+    output = log_path.read_text()
+    assert code == signals.EXIT_CODE and "DONE ---- rank 0" in output, (code, output[-3000:])
+    stopped_at(output, "SIGINT")
+    assert output.count(ignored) == 1 and output.count(LATE_LINE.format("SIGTERM", 75)) == 1, output[-3000:]
+    assert signals.INTERRUPTED not in output and "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.compat  # on the container's torch 2.5 the teardown is where a finished run waited
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_a_signal_while_the_main_thread_waits_in_the_teardown_ends_the_run_at_once(era5_dir, tmp_path, switched_off):
+    """After DONE the main thread waits in C without the GIL (held here for good, as a process group's teardown
+    could), where a Python handler never runs: the signal still ends the process at once, with 0 and the one line
+    (a thread reads it from signal.set_wakeup_fd's pipe). Twin, without that thread: the process lives on, deaf to
+    SIGTERM."""
+    process, log_path, _ = start_late(tmp_path, era5_dir, "destroy", 4, thread_off=switched_off)
+    try:
+        wait_until(process, log_path, lambda: "HOLD destroy" in log_path.read_text(), "the teardown")
+        process.send_signal(signal.SIGTERM)
+        if switched_off:
+            with pytest.raises(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+            assert "came after" not in log_path.read_text()
+            return
+        code = process.wait(timeout=30)
+        output = log_path.read_text()
+        assert code == 0 and output.count(LATE_LINE.format("SIGTERM", 0)) == 1, (code, output[-3000:])
+    finally:
+        process.kill()
+        process.wait()

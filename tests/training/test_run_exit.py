@@ -1,0 +1,78 @@
+"""A finished run exits (#40 item 10): every rank leaves the process group and ends, on torch 2.5 (the container's) and
+2.14. The hang: on torch < 2.8 a ProcessGroup is destroyed with the GIL held, and tearing gloo down joins its worker
+threads; a worker still finishing its last work then needs the GIL (to free a tensor Python let go of, or to run a
+future's Python callback), so destroy_process_group waited for good. utils/comm.leave_process_group tears each
+backend down without the GIL. The stress loop of the whole 4-rank run is `make stress-exit`
+(benchmarks/stress_exit.py), outside `make test`.
+
+A failure points to utils/comm.leave_process_group (or _backends), or to benchmarks/stress_exit.py.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, run_command, run_plain_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+# torch 2.8 releases the GIL while it destroys a ProcessGroup (pytorch/pytorch#154976); before, it kept it (2.5.1)
+TEARDOWN_KEEPS_GIL = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 8)
+
+LATE_WORKER = """\
+import sys, time
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from utils import comm
+if {switched_off}:
+    comm._backends = lambda: []  # the fix off: each backend goes inside destroy_process_group, as before
+dist.init_process_group("gloo", init_method="env://")
+comm._groups["tp"] = dist.new_group([0, 1])
+comm.barrier()
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(1), group=comm.get_group("tp"), async_op=True)  # rank 1 joins it a second later
+    print("leaving", flush=True)
+else:
+    time.sleep(1)
+    dist.all_reduce(torch.ones(1), group=comm.get_group("tp"))
+comm.destroy()
+print("left", flush=True)
+"""
+
+
+@pytest.mark.compat  # the container's torch 2.5 is the one that hung
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_a_gloo_worker_that_finishes_its_work_during_the_teardown_does_not_hang_it(tmp_path, switched_off):
+    """Rank 0 leaves the process group while its gloo worker still holds a collective (and a tensor Python has let go
+    of) that rank 1 joins a second later: the worker finishes during the teardown and needs the GIL to free the
+    tensor. A run's last collective leaves the worker in that state for a moment (just after the rank's wait has
+    returned), long enough under load. Both ranks leave. Twin, with every backend torn down inside
+    destroy_process_group as before: on torch < 2.8 rank 0 hangs for good (on torch 2.8 and later torch itself lets
+    the GIL go, and the twin leaves too)."""
+    script = tmp_path / "rank.py"
+    script.write_text(LATE_WORKER.format(root=REPO_ROOT, switched_off=switched_off))
+    if switched_off and TEARDOWN_KEEPS_GIL:
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=60)
+        rank0 = (tmp_path / "rank0.log").read_text()
+        assert "leaving" in rank0 and "left" not in rank0, rank0[-3000:]  # in the teardown, for good
+        return
+    codes, outputs, _ = run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=120)
+    assert codes == [0, 0] and all(output.rstrip().endswith("left") for output in outputs), outputs
+
+
+@pytest.mark.compat
+def test_the_exit_stress_loop_runs_the_4_rank_cycle_and_counts_no_hang(tmp_path):
+    """The stress loop (`make stress-exit` runs 30 cycles of each and 300 teardowns) on a short leash: one 4-rank
+    start-to-exit cycle of train_mp.py at tp=2 x cp=2 (--sequence_parallel --activation_checkpointing
+    --enable_benchy), no rank left behind, and 20 teardown cycles of 4 ranks, none hung."""
+    out = tmp_path / "stress.json"
+    result = run_command(["-m", "benchmarks.stress_exit", "--cycles", "1", "--teardowns", "20", "--stall", "60",
+                          "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    counts = json.loads(out.read_text())
+    assert counts["runs"]["tried"] == 1 and counts["runs"]["hung"] == 0, counts
+    assert counts["runs"]["cycles"][0]["exit_code"] == 0, counts
+    assert counts["teardowns"]["tried"] == 20 and counts["teardowns"]["hung"] == 0, counts
