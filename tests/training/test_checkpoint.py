@@ -103,9 +103,12 @@ def test_checkpoint_from_another_config_is_refused(era5_dir, tmp_path, capsys):
         train.main(["--config", "demo", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--resume", checkpoint])
     assert exit_info.value.code == 2
     assert "was written by config 'tiny' (model vit), not 'demo' (model vit)" in capsys.readouterr().err
-    unet_run = ["--yaml_config", "config/UNet.yaml", "--config", "tiny", "--data_dir", era5_dir, "--expdir",
-                str(tmp_path)]
+    unet_run = ["--yaml_config", "config/UNet.yaml", "--config", "tiny", "--data_dir", era5_dir]
     with pytest.raises(SystemExit) as exit_info:  # same config name, another model: refused before any data
-        train.main(unet_run)
+        train.main(unet_run + ["--expdir", str(tmp_path / "unet"), "--resume", checkpoint])
     assert exit_info.value.code == 2
     assert "was written by config 'tiny' (model vit), not 'tiny' (model unet)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # the ViT's run directory itself: the directory refuses first
+        train.main(unet_run + ["--expdir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "holds a run of the vit model, not the unet" in capsys.readouterr().err
