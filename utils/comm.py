@@ -11,6 +11,7 @@ name of the order varies fastest; see utils/rank_generator.py) and the groups "d
 model's own rules (heads, MLP width, tokens) are the layout's too, checked when the model is built.
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
 """
+import atexit
 import contextlib
 import datetime
 import logging
@@ -320,13 +321,32 @@ RANK0_READ_WAIT_S = 10.0  # how long rank 0 waits for the others to read an erro
 
 def _beat_while_alive(store):
     """Rank 0: a daemon thread that counts up a key in the store every RANK0_BEAT_S while the process lives (also
-    while its main thread writes a checkpoint for minutes): the others' sign that a rank 0 they wait for is alive."""
+    while its main thread writes a checkpoint for minutes): the others' sign that a rank 0 they wait for is alive.
+    It is stopped and joined before the interpreter finalizes (atexit, and destroy()): a daemon thread that comes
+    back from the store's C++ call after finalization began is ended by Python inside that call, and the C++
+    runtime aborts the whole process ("terminate called without an active exception", exit -6) although the run
+    had exited cleanly."""
+    stop = threading.Event()
+
     def beat():
         with contextlib.suppress(Exception):  # the store is gone (the job ends), or a new one replaced it
-            while _host.get("store") is store:
+            while _host.get("store") is store and not stop.is_set():
                 store.add("rank0_beat", 1)
-                time.sleep(RANK0_BEAT_S)
-    threading.Thread(target=beat, name="rank0-heartbeat", daemon=True).start()
+                stop.wait(RANK0_BEAT_S)
+    thread = threading.Thread(target=beat, name="rank0-heartbeat", daemon=True)
+    thread.start()
+    _host["heartbeat"] = (stop, thread)
+    atexit.register(_stop_heartbeat, stop, thread)
+
+
+def _stop_heartbeat(stop=None, thread=None):
+    """Stop rank 0's heartbeat thread and wait (briefly) until it has left the store's C++ code."""
+    if stop is None:
+        stop, thread = _host.pop("heartbeat", (None, None))
+    if stop is not None:
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
 
 def _until_read(number):
@@ -383,6 +403,7 @@ def destroy():
     alive after the world is destroyed keeps gloo's threads running until the interpreter exits, which can abort it
     ("terminate called..."). The groups' backends are torn down without the GIL (leave_process_group)."""
     _groups.clear()
+    _stop_heartbeat()
     _host.clear()
     _layout["now"] = Layout()
     on_job_failures()  # a later error of this process is no longer a peer's

@@ -7,6 +7,7 @@ output), the slowness injected by a script written into the test's folder (no sw
 A failure points to utils/comm.py (broadcast_from_rank0, explain_timeout, _build_groups) or utils/rendezvous.py.
 """
 import datetime
+import subprocess
 import sys
 
 import pytest
@@ -221,3 +222,44 @@ def test_a_rank_waiting_for_rank_0_gives_up_when_its_heartbeat_stops(monkeypatch
     else:
         with pytest.raises(RuntimeError, match="Connection closed by peer: rank 0's heartbeat stopped 0.3 s ago"):
             comm.broadcast_from_rank0(None)
+
+
+# rank 0 of a job, reduced to its heartbeat: the thread beats as fast as it can (so that it is inside the store's
+# C++ call when the interpreter finalizes, the race a run loses about once in a few thousand exits), then the
+# process exits as a run that stops does; `unprotected` removes the stop at exit (the twin)
+HEARTBEAT_EXIT = """\
+import atexit, datetime, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from utils import comm
+comm.RANK0_BEAT_S = 0.0
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+comm._host["store"] = store
+comm._beat_while_alive(store)
+if {unprotected}:
+    atexit.unregister(comm._stop_heartbeat)
+time.sleep(0.05)
+assert store.add("rank0_beat", 0) > 10, "the heartbeat did not beat"
+sys.exit(2)
+"""
+
+
+@pytest.mark.compat
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("unprotected", [False, True])
+def test_rank_0_exits_with_its_own_code_while_its_heartbeat_beats(tmp_path, unprotected):
+    """A rank 0 that exits (here with code 2, as when another rank could not resume) must not be aborted by its
+    heartbeat thread: a daemon thread that comes back from the store's C++ call after the interpreter began to
+    finalize is ended by Python inside that call and the C++ runtime aborts the process ("terminate called without
+    an active exception", exit -6; seen once in CI). The heartbeat is stopped and joined at exit. The twin, without
+    that stop, aborts."""
+    script = tmp_path / "rank0.py"
+    script.write_text(HEARTBEAT_EXIT.format(root=str(REPO_ROOT), unprotected=unprotected))
+    for _ in range(3 if unprotected else 1):  # the twin aborts at once (20 of 20 here); 3 tries for a slow machine
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        if done.returncode != 2:
+            break
+    if unprotected:
+        assert done.returncode == -6 and "terminate called" in done.stderr, (done.returncode, done.stderr[-2000:])
+    else:
+        assert done.returncode == 2 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
