@@ -41,7 +41,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from benchmarks.common import REPO_ROOT, cpu_cores
-from loaders.common import TorchLoader, batched_already, read_whole_batch, shared_tensor
+from loaders.common import TorchLoader, batched_already, read_whole_batch, shared_tensor, torch_loader
 from loop.benchy import endless_batches
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
@@ -280,6 +280,15 @@ def cosmo_params(data_dir, config, batch, workers, crop, epoch_steps):
     return params
 
 
+def host_part(params):
+    """The PyTorch lowmem loader as it runs on a GPU node, stopped where the host's work ends: crop windows read
+    as they lie, with their turn codes, for the GPU to turn after the copy (loaders/cosmo.py turn_later)."""
+    from loaders.cosmo import CosmoDataset
+    loader = torch_loader(params, CosmoDataset(params, True), True, turn_later=True)
+    loader.finish = None  # the turn (TorchLoader._on_device) happens on the GPU, not on this host
+    return loader
+
+
 def cosmo_main(args):
     """The cosmology crops: raw reads of the same windows, then the PyTorch and DALI loaders."""
     from loaders import get_data_loader
@@ -287,6 +296,8 @@ def cosmo_main(args):
     if not os.path.isfile(os.path.join(args.data_dir, TRAIN_FILE)):
         print(f"[bench_loader] generating a {args.box}^3 cosmology box in {args.data_dir}", flush=True)
         write_cosmo(args.data_dir, train_size=args.box, valid_size=16, verbose=False)
+    import torch
+    torch.set_num_threads(1)  # a loader without workers reads on one thread, as the raw reads do
     epoch_steps = args.warmup + args.nbatches + 2
     loader = get_data_loader(cosmo_params(args.data_dir, "lowmem", args.batch, 0, args.crop, epoch_steps), train=True)
     dataset = loader.dataset
@@ -311,7 +322,6 @@ def cosmo_main(args):
     for read in (npy_window, h5_window):  # warm the page cache
         for _ in raw_batches(read):
             pass
-    import torch
     dali_label = f"DALI ({'GPU' if torch.cuda.is_available() else 'CPU'})"
     trials = [("raw h5py (1 thread)", lambda: endless(lambda: raw_batches(h5_window))),
               ("raw npy memmap (1 thread)", lambda: endless(lambda: raw_batches(npy_window)))]
@@ -322,6 +332,10 @@ def cosmo_main(args):
             labels[config, count] = f"{'PyTorch lowmem' if config == 'lowmem' else dali_label}, {count} {unit}"
             trials.append((labels[config, count],
                            lambda params=params: endless_batches(get_data_loader(params, train=True))))
+    for count in args.workers:  # what the host does on a GPU node, where the crops are turned after the copy
+        params = cosmo_params(args.data_dir, "lowmem", args.batch, count, args.crop, epoch_steps)
+        labels["host part", count] = f"PyTorch lowmem, {count} workers, turned on the GPU (host part)"
+        trials.append((labels["host part", count], lambda params=params: endless_batches(host_part(params))))
     if args.before_workers:
         params = cosmo_params(args.data_dir, "lowmem", args.batch, 0, args.crop, epoch_steps)
         trials.append((BEFORE.format(name="PyTorch lowmem", workers=args.before_workers),
@@ -339,12 +353,22 @@ def cosmo_main(args):
               f"({min(ratios):.2f}-{max(ratios):.2f}; DALI ahead in {versus[str(count)]['rounds_ahead']} of "
               f"{len(ratios)} rounds)", flush=True)
     h5.close()
+    # issue #39's target, round by round like the ratios above: lowmem without workers at 2.0x the raw h5py reads
+    raw = runs[trials[0][0]]
+    target = {f"{count} workers": {label: statistics.median([a / b for a, b in zip(runs[labels[key, count]], raw)])
+                                   for label, key in (("host turns", "lowmem"), ("GPU turns", "host part"))}
+              for count in args.workers}
+    print(f"[bench_loader] lowmem over raw h5py with 0 workers (target 2.0): host turns the crops "
+          f"{target['0 workers']['host turns']:.2f}, GPU turns them (host part) "
+          f"{target['0 workers']['GPU turns']:.2f}" if 0 in args.workers else "", flush=True)
     sample_mb = (memmaps[0].shape[3] + memmaps[1].shape[3]) * edge ** 3 * 4 / 1e6
     write_json(args.out, {"machine": cpu_cores(),
                           "box": list(memmaps[0].shape[:3]), "crop": edge, "batch": args.batch,
                           "nbatches": args.nbatches, "warmup": args.warmup, "repeats": args.repeats,
-                          "sample_pair_mb": sample_mb, "raw_reference": "raw h5py (1 thread)", "rows": rows,
-                          "worker_speedups": speedups, "dali_over_pytorch": versus})
+                          "sample_pair_mb": sample_mb, "torch_threads": torch.get_num_threads(),
+                          "raw_reference": "raw h5py (1 thread)", "rows": rows,
+                          "worker_speedups": speedups, "dali_over_pytorch": versus,
+                          "lowmem_over_raw_h5py": target})
     print(f"[bench_loader] written to {args.out}")
     return 0
 

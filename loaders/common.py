@@ -88,7 +88,9 @@ def read_whole_batch(dataset, keys, allocate=batch_buffer):
 
 
 class BatchRing:
-    """Shared-memory buffers that loader workers read whole batches into, allocated once, before the workers start.
+    """Shared-memory buffers that loader workers read whole batches into, allocated once, before the workers start
+    (or, without workers, buffers of the training process that it reads into itself: a dataset turned after the
+    copy, see torch_loader).
 
     Why: a worker that returns a fresh tensor per batch makes a new shared-memory file per batch (create, map, fault
     in every 4 KiB page in the worker, fault it in again in the training process, unmap): on the 2-core machine
@@ -104,9 +106,10 @@ class BatchRing:
     is asynchronous and there is no pin-memory thread copying every batch once more; the loader waits for a
     batch's copy to finish before its slot is reused (see TorchLoader.__iter__)."""
 
-    def __init__(self, sample_shapes, batch_size, slots):
+    def __init__(self, sample_shapes, batch_size, slots, shared=True):
         self.slots = slots
-        self.buffers = [shared_tensor((slots, batch_size, *shape)) for shape in sample_shapes]
+        allocate = shared_tensor if shared else batch_buffer  # not shared: read in the training process itself
+        self.buffers = [allocate((slots, batch_size, *shape)) for shape in sample_shapes]
         self.pinned = False
         for buffer in self.buffers:  # the pages exist from here on; each worker maps them when it starts
             buffer.zero_()
@@ -225,17 +228,21 @@ def read_first_batch(dataset, sampler, batch_size):
 class TorchLoader:
     """A DataLoader over a ResumableSampler, seen through the interface the training loop uses.
 
-    With a BatchRing (workers reading whole batches) the workers' requests form one stream across epochs
-    (RingBatchSampler): a pass goes on where the last one ended when set_epoch asks for that position (the next
-    epoch from its start, a validation pass from its start), so the workers never stop reading at an epoch boundary;
-    any other position (a resume, a pass left early) starts the stream there. On a CPU it yields views of the ring:
-    a batch stays valid while the next one is taken, not beyond (clone() to keep one longer). On a GPU it yields
-    the batches on the GPU, each copied from the (page-locked) ring on a copy stream while the step before it
-    computes (see `_on_device`)."""
+    With a BatchRing (workers, or the training process, reading whole batches) the requests form one stream
+    across epochs (RingBatchSampler): a pass goes on where the last one ended when set_epoch asks for that
+    position (the next epoch from its start, a validation pass from its start), so the workers never stop reading
+    at an epoch boundary; any other position (a resume, a pass left early) starts the stream there. On a CPU it
+    yields views of the ring: a batch stays valid while the next one is taken, not beyond (clone() to keep one
+    longer). On a GPU it yields the batches on the GPU, each copied from the (page-locked) ring on a copy stream
+    while the step before it computes (see `_on_device`), and finished there where the dataset says
+    (`finish_batch`: the cosmology crops turned)."""
 
     def __init__(self, dataset, sampler, loader, batch_size, ring=None):
         self.dataset, self.sampler, self.loader = dataset, sampler, loader
         self.batch_size, self.ring = batch_size, ring
+        # a dataset that reads its batches unfinished (CosmoDataset.turn_later: crops still to be turned, their
+        # codes in the batch's last tensor) is finished here, after the copy to the GPU where there is one
+        self.finish = dataset.finish_batch if getattr(dataset, "turn_later", False) else None
         self.epoch, self.skip = 0, 0
         self.batches, self.position = None, None  # the stream of the workers' batches, and its next (epoch, step)
         self.copy_stream, self.copied = None, collections.deque()  # GPU: the copies' stream, an event per copy
@@ -244,16 +251,27 @@ class TorchLoader:
         if self.ring is None:
             yield from self.loader
             return
+        host = self._ring_pass()
+        if torch.cuda.is_available() and self.ring.pin():
+            yield from self._on_device(host, torch.device("cuda", torch.cuda.current_device()))
+        else:
+            yield from (self._finished(batch) for batch in host)
+
+    def _finished(self, batch):
+        """The batch the loop gets: as read, or finished by the dataset (on the batch's device)."""
+        if self.finish is None:
+            return batch
+        *volumes, codes = batch
+        return self.finish(volumes, codes.view(-1).tolist())
+
+    def _ring_pass(self):
+        """This pass's batches from the workers' stream (views of the ring), started where set_epoch asked."""
         if self.batches is None or self.position != (self.epoch, self.skip):
             self._wait_for_copies()  # the new stream's first requests may overwrite slots still being copied
             self.loader.batch_sampler.start = (self.epoch, self.skip)
             self.batches = iter(self.loader)  # the first time starts the (persistent) workers: forked before pinning
             self.position = (self.epoch, self.skip)
-        host = self._host_pass(len(self) - self.skip)
-        if torch.cuda.is_available() and self.ring.pin():
-            yield from self._on_device(host, torch.device("cuda", torch.cuda.current_device()))
-        else:
-            yield from host
+        yield from self._host_pass(len(self) - self.skip)
 
     def _host_pass(self, steps):
         """`steps` batches of the stream, as views of the ring."""
@@ -281,8 +299,12 @@ class TorchLoader:
         for batch in host:
             while len(steps_done) > 1:
                 steps_done.popleft().synchronize()
+            codes = batch[-1].view(-1).tolist() if self.finish is not None else None  # read on the host
             with torch.cuda.stream(self.copy_stream):
-                batch = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
+                batch = tuple(tensor.to(device, non_blocking=True) for tensor in
+                              (batch if codes is None else batch[:-1]))
+                if codes is not None:  # turned on the GPU, on the copy stream, before the loop waits for it
+                    batch = self.finish(batch, codes)
             self.copied.append(torch.cuda.Event())
             self.copied[-1].record(self.copy_stream)
             compute.wait_event(self.copied[-1])
@@ -323,10 +345,14 @@ class TorchLoader:
         return f"sample indices {', '.join(map(str, indices))}"
 
 
-def torch_loader(params, dataset, train):
+def torch_loader(params, dataset, train, turn_later=None):
     """The PyTorch loader (TorchLoader) of one split of `dataset`, sharded over the data-parallel ranks. Datasets
     that read whole batches into given buffers (`read_batch_into`: ERA5, cosmology) get a BatchRing when there are
-    workers."""
+    workers. A dataset that can finish its batches later (`finish_batch`: the cosmology crops' turns) does so after
+    the copy to the GPU (`turn_later`; default: when there is a GPU), where a turn costs microseconds instead of
+    a copy of every crop on the host."""
+    if hasattr(dataset, "finish_batch"):
+        dataset.turn_later = torch.cuda.is_available() if turn_later is None else turn_later
     batch_size = split_batch_size(params, train)
     sampler = sharded_sampler(params, dataset, train)
     workers = params.num_data_workers
@@ -335,14 +361,17 @@ def torch_loader(params, dataset, train):
     common = dict(num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker,
                   multiprocessing_context=signals.WorkerContext() if workers else None,  # started signal-proof
                   generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
-    if workers and hasattr(dataset, "read_batch_into"):
+    turn_later = getattr(dataset, "turn_later", False)
+    if (workers or turn_later) and hasattr(dataset, "read_batch_into"):
+        # without workers (a dataset finished later), the training process reads into a ring of its own memory:
+        # the same buffers every batch, page-locked once on a GPU, instead of fresh pages and a pinned copy
         slots = workers * PREFETCH + SPARE_SLOTS
-        ring = BatchRing(dataset.sample_shapes(), batch_size, slots)
-        logging.info(f"Loader workers read into a ring of {slots} batches in shared memory "
-                     f"({ring.nbytes / 1e9:.2f} GB)")
+        ring = BatchRing(dataset.sample_shapes(), batch_size, slots, shared=workers > 0)
+        logging.info(f"{'Loader workers read' if workers else 'The loader reads'} into a ring of {slots} batches"
+                     f"{' in shared memory' if workers else ''} ({ring.nbytes / 1e9:.2f} GB)")
         batches = RingBatchSampler(sampler, batch_size, train, slots)
         loader = DataLoader(RingReader(dataset, ring), batch_sampler=batches, collate_fn=batched_already,
-                            prefetch_factor=PREFETCH, **common)
+                            prefetch_factor=PREFETCH if workers else None, **common)
         return TorchLoader(dataset, sampler, loader, batch_size, ring)
     # datasets that read whole batches (ERA5, cosmology: __getitems__) hand them on without a collate copy
     collate_fn = batched_already if hasattr(dataset, "__getitems__") else None

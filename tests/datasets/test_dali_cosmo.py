@@ -229,8 +229,9 @@ def test_bench_loader_cosmo_reports_every_loader_against_the_raw_rate(tmp_path):
     device = "GPU" if torch.cuda.is_available() else "CPU"
     dali, pytorch = f"DALI ({device}), 1 threads", "PyTorch lowmem, 1 workers"
     before = "PyTorch lowmem, 1 workers, fresh shared memory per batch (before the ring)"
+    host_parts = {f"PyTorch lowmem, {count} workers, turned on the GPU (host part)" for count in (0, 1)}
     assert set(rows) == {"raw npy memmap (1 thread)", "raw h5py (1 thread)", "PyTorch lowmem, 0 workers", pytorch,
-                         dali, before}
+                         dali, before} | host_parts
     # CPU time per batch is read from /proc for the process and its workers, in clock ticks of 10 ms: a loader of
     # two small batches may spend less than one, but the workers' loaders together spend some
     cpu = {label: rows[label]["per_batch"]["user_ms"] + rows[label]["per_batch"]["system_ms"] for label in rows}
@@ -243,6 +244,14 @@ def test_bench_loader_cosmo_reports_every_loader_against_the_raw_rate(tmp_path):
     for row in rows.values():
         assert len(row["runs"]) == 2 and row["samples_per_sec"] == pytest.approx(statistics.median(row["runs"]))
         assert row["samples_per_sec"] > 0 and row["ratio_to_raw"] == pytest.approx(row["samples_per_sec"] / raw)
+    # issue #39's target, round by round: lowmem without workers over the raw h5py reads, the host turning the
+    # crops or the GPU (the host part), on one thread
+    target = results["lowmem_over_raw_h5py"]["0 workers"]
+    assert results["torch_threads"] == 1 and target["GPU turns"] == pytest.approx(statistics.median(
+        [h / r for h, r in zip(rows["PyTorch lowmem, 0 workers, turned on the GPU (host part)"]["runs"],
+                               rows["raw h5py (1 thread)"]["runs"])]))
+    assert target["host turns"] == pytest.approx(statistics.median(
+        [h / r for h, r in zip(rows["PyTorch lowmem, 0 workers"]["runs"], rows["raw h5py (1 thread)"]["runs"])]))
     versus = results["dali_over_pytorch"]
     assert list(versus) == ["1"] and versus["1"]["runs"] == pytest.approx(
         [d / p for d, p in zip(rows[dali]["runs"], rows[pytorch]["runs"])])

@@ -99,3 +99,19 @@ def test_two_ranks_on_one_gpu_are_refused_in_one_line(era5_dir, tmp_path):
                           "--num_iters", "2"], nproc=torch.cuda.device_count() + 1, gpu=True)
     assert result.returncode != 0
     assert "shared by two or more ranks of one node" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_cosmology_crops_turned_on_the_gpu_are_the_host_turned_crops(tmp_path):
+    """On a GPU the cosmology loader turns its crops after the copy (turn_later by default), on its copy stream:
+    with workers and without, the batches on the GPU are bit for bit those the host turns (issue #39)."""
+    from sample_data.cosmo import write_cosmo
+    from tests.datasets.test_cosmo_turn_later import assert_same, loader_of, params_of, pass_of
+    data = write_cosmo(tmp_path / "cosmo", train_size=24, valid_size=16, verbose=False)
+    reference = pass_of(loader_of(params_of(data, 0), True, False), 1)
+    for workers in (0, 2):
+        late = loader_of(params_of(data, workers), True, None)
+        assert late.finish is not None
+        got = pass_of(late, 1)
+        assert all(tensor.is_cuda for batch in got for tensor in batch)
+        assert_same([tuple(tensor.cpu() for tensor in batch) for batch in got], reference)
