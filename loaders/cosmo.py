@@ -164,10 +164,11 @@ def turn_batch(volumes, codes):
 
 
 def contiguous_map(path, dataset):
-    """A read-only numpy memory map of HDF5 `dataset` at its byte offset in `path`, or None where its values are not
-    one plain C-order array in the file (chunked or compressed, compact, external, not yet written, or not plain
-    numbers): h5py's reader serves those. A crop window is then a strided view, and copying it out of the page cache
-    costs one memcpy per row, where h5py walks a selection of tens of thousands of short rows (docs/loaders.md)."""
+    """A numpy memory map (copy-on-write: nothing reaches the file) of HDF5 `dataset` at its byte offset in `path`,
+    or None where its values are not one plain C-order array in the file (chunked or compressed, compact, external,
+    not yet written, or not plain numbers): h5py's reader serves those. A crop window is then a strided view, and
+    copying it out of the page cache costs one memcpy per row, where h5py walks a selection of tens of thousands of
+    short rows (docs/loaders.md)."""
     plist = dataset.id.get_create_plist()
     if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count() or \
             dataset.dtype.kind not in "fiu":

@@ -336,17 +336,16 @@ def _beat_while_alive(store):
     thread = threading.Thread(target=beat, name="rank0-heartbeat", daemon=True)
     thread.start()
     _host["heartbeat"] = (stop, thread)
-    atexit.register(_stop_heartbeat, stop, thread)
+    atexit.unregister(_stop_heartbeat)  # once per process, however many runs it makes
+    atexit.register(_stop_heartbeat)
 
 
-def _stop_heartbeat(stop=None, thread=None):
-    """Stop rank 0's heartbeat thread and wait (briefly) until it has left the store's C++ code."""
-    if stop is None:
-        stop, thread = _host.pop("heartbeat", (None, None))
+def _stop_heartbeat():
+    """Stop rank 0's heartbeat thread, if it beats, and wait (briefly) until it has left the store's C++ code."""
+    stop, thread = _host.pop("heartbeat", (None, None))
     if stop is not None:
         stop.set()
-        if thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+        thread.join(timeout=5.0)
 
 
 def _until_read(number):
