@@ -129,8 +129,6 @@ def start_run(args, params, layout):
         raise UserError("--desired_acc needs a classification model (config/ResNet50.yaml)")
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
-    if params.enable_jit:  # inductor's compile workers, before the first compile: they ignore Slurm's signals
-        signals.start_compile_workers()
     device = comm.get_device()
     select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
     register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
@@ -200,6 +198,8 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     Returns (start iteration, partial sums of the interrupted epoch or None). `load_model(model, state, path)`
     and `load_optimizer(optimizer, state)` put the saved (whole-model) states in; a model-parallel script passes
     functions that take its shards."""
+    if run.params.enable_jit:  # inductor's compile workers, before the first compile and after every refusal of
+        signals.start_compile_workers()  # the run (the graph scripts' too): they ignore Slurm's signals
     checkpoint, path = run.checkpoint, run.resume_path
     run.checkpoint = None  # free the memory once restored
     if checkpoint is None:

@@ -1,7 +1,7 @@
 """Slurm's warning (`--signal=USR1@180`), its SIGTERM and a terminal's Ctrl-C reach every process of the step, also
 the helpers torch and multiprocessing start: inductor's compile workers (a sidecar process and the workers it forks,
 under `--enable_jit`) and multiprocessing's resource tracker. Started by `signals.start_compile_workers()` (what
-start_run does when the run compiles), they live through the three signals and the pool compiles on; started as
+restore does when the run compiles), they live through the three signals and the pool compiles on; started as
 torch and the loaders started them before, SIGUSR1 kills them, and the pool is gone for the rest of the run.
 
 A real process per test, in a session of its own (as a job step): it compiles a small function on the CPU with
@@ -161,3 +161,20 @@ def test_without_the_protection_slurms_warning_kills_the_compile_workers_and_the
     assert sorted(report["before"].values()) == ["compile worker"] * 3 + ["resource tracker"], report
     assert report["alive"] == [], report
     assert report["job"].startswith("failed"), report
+
+
+@pytest.mark.parametrize("enable_jit", [True, False])
+def test_a_run_that_compiles_starts_the_protected_workers_in_restore(monkeypatch, enable_jit):
+    """Every script calls restore() after its own refusals (the graph scripts refuse --enable_jit after start_run)
+    and before its first compile: a run with --enable_jit starts the protected pool there, a run without does not."""
+    from types import SimpleNamespace
+
+    from lifecycle import run as run_module
+    from lifecycle import signals
+    started = []
+    monkeypatch.setattr(signals, "start_compile_workers", lambda: started.append(True))
+    monkeypatch.setattr(signals, "stop_before_training", lambda *args: None)
+    run = SimpleNamespace(params=SimpleNamespace(enable_jit=enable_jit), checkpoint=None, resume_path=None,
+                          exp_dir="unused")
+    assert run_module.restore(run, None, None, None, None) == (0, None)
+    assert started == ([True] if enable_jit else [])
