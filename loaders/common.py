@@ -261,8 +261,7 @@ class TorchLoader:
         """The batch the loop gets: as read, or finished by the dataset (on the batch's device)."""
         if self.finish is None:
             return batch
-        *volumes, codes = batch
-        return self.finish(volumes, codes.view(-1).tolist())
+        return self.finish(batch[:-1], batch[-1])
 
     def _ring_pass(self):
         """This pass's batches from the workers' stream (views of the ring), started where set_epoch asked."""
@@ -299,7 +298,7 @@ class TorchLoader:
         for batch in host:
             while len(steps_done) > 1:
                 steps_done.popleft().synchronize()
-            codes = batch[-1].view(-1).tolist() if self.finish is not None else None  # read on the host
+            codes = batch[-1] if self.finish is not None else None  # stays on the host: read there, no sync
             with torch.cuda.stream(self.copy_stream):
                 batch = tuple(tensor.to(device, non_blocking=True) for tensor in
                               (batch if codes is None else batch[:-1]))
@@ -351,8 +350,10 @@ def torch_loader(params, dataset, train, turn_later=None):
     workers. A dataset that can finish its batches later (`finish_batch`: the cosmology crops' turns) does so after
     the copy to the GPU (`turn_later`; default: when there is a GPU), where a turn costs microseconds instead of
     a copy of every crop on the host."""
+    finished_later = hasattr(dataset, "finish_batch") and (torch.cuda.is_available() if turn_later is None
+                                                           else turn_later)
     if hasattr(dataset, "finish_batch"):
-        dataset.turn_later = torch.cuda.is_available() if turn_later is None else turn_later
+        dataset.turn_later = finished_later
     batch_size = split_batch_size(params, train)
     sampler = sharded_sampler(params, dataset, train)
     workers = params.num_data_workers
@@ -361,8 +362,7 @@ def torch_loader(params, dataset, train, turn_later=None):
     common = dict(num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker,
                   multiprocessing_context=signals.WorkerContext() if workers else None,  # started signal-proof
                   generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
-    turn_later = getattr(dataset, "turn_later", False)
-    if (workers or turn_later) and hasattr(dataset, "read_batch_into"):
+    if (workers or finished_later) and hasattr(dataset, "read_batch_into"):
         # without workers (a dataset finished later), the training process reads into a ring of its own memory:
         # the same buffers every batch, page-locked once on a GPU, instead of fresh pages and a pinned copy
         slots = workers * PREFETCH + SPARE_SLOTS

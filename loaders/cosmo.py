@@ -409,11 +409,12 @@ class CosmoDataset(Dataset):
         per-sample arrays and no collate copy (the DataLoader hands the batch on as is). Bitwise __getitem__'s items
         stacked (tested)."""
         batch = read_whole_batch(self, keys)
-        return self.finish_batch(batch[:2], batch[2].view(-1).tolist()) if self.turn_later else batch
+        return self.finish_batch(batch[:2], batch[2]) if self.turn_later else batch
 
     def finish_batch(self, volumes, codes):
-        """(inp, tar) of a batch read with turn_later, turned (turn_batch) wherever the tensors are."""
-        return turn_batch(volumes, [int(code) for code in codes])
+        """(inp, tar) of a batch read with turn_later, turned (turn_batch) wherever the tensors are; `codes`: the
+        batch's (B, 1) turn codes as read, on the host."""
+        return turn_batch(volumes, [int(code) for code in codes.view(-1).tolist()])
 
     def read_batch_into(self, keys, batch):
         """The crops of `keys` read and turned straight into the rows of `batch` (inp, tar) float32 tensors (fresh
