@@ -3,13 +3,18 @@
     python -m benchmarks.bench_levers --data_dir data/gpu_table/full/era5 --out bench_results/gpu/levers.json
 
 Step alone (one batch kept on the GPU, ms per step): the tokens contiguous after the patch embedding against the
-transposed view they were before; q, k and v from one GEMM of the three weights joined at run time (a candidate, not
-yet in the model: kept only if a GPU says it gains); scaled_dot_product_attention's kernels (torch's choice, cuDNN,
-FlashAttention-2, memory-efficient). With the loader (8 workers by default, ms per step over several epochs): the
-batch copied on the loader's copy stream beside the step before it, against the copy on the compute stream (GPU
+transposed view they were before; the attention's input cast to bf16 once against the cast by each of q, k and v
+it was (2026-11-28: 109.2 against 113.5 ms on an H100, so it is the model's now); a candidate that leaves the model
+and its state_dict as they are (kept only where a GPU says it gains): q, k and v from one GEMM of the three weights
+joined at run time; scaled_dot_product_attention's kernels (torch's choice, cuDNN, FlashAttention-2,
+memory-efficient). With the loader (8 workers by default, ms per step over several epochs):
+the batch copied on the loader's copy stream beside the step before it, against the copy on the compute stream (GPU
 only), and the workers' requests kept going across epochs against one epoch's requests at a time, restarted at each
-boundary after a device-wide sync (as before). Each variant changes one thing; the others stay as they are now. A
-kernel that cannot run a shape, or a lever that needs CUDA, is reported with the reason. `--tiny` uses the `tiny`
+boundary after a device-wide sync (as before). Compiled (`--compiled`, step alone): torch.compile as train.py's
+--enable_jit applies it, the same with CUDA Graphs on top (mode "reduce-overhead", GPU only), and compiled with the
+candidates that gained in eager ("kept"). Each variant changes one thing; the others stay as they are now. A kernel
+that cannot run a shape, or a lever that needs CUDA, is reported with the reason. `--variants`, `--attention` and
+`--compiled` choose what runs (a GPU session measures only what it has not measured yet). `--tiny` uses the `tiny`
 config (a check of this script on any machine).
 """
 import contextlib
@@ -58,6 +63,20 @@ def qkv_one_gemm(self, x):
     return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, E)))
 
 
+def cast_by_each(self, x):
+    """Attention.forward as it was: under autocast q, k and v each cast the same fp32 norm output to bf16 (three
+    casts forward, three fp32 gradients summed backward). The forward is bitwise today's, which casts once
+    (tests/perf/test_bench.py)."""
+    B, N, E = x.shape
+
+    def heads(t):
+        return t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+
+    attn = torch.nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
+                                                            dropout_p=self.attn_drop if self.training else 0.0)
+    return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, E)))
+
+
 def copy_on_the_compute_stream(self, host, device):
     """TorchLoader._on_device as it was: each batch copied on the loop's stream when the loop asks for it (after the
     step before it), the slot freed by an event on that stream."""
@@ -90,21 +109,32 @@ VARIANTS = {  # name: (what, [(where it is patched, attribute, replacement)], ne
     "now": ("as the code is now", [], False),
     "tokens_transposed": ("tokens as a transposed view", [(vit.PatchEmbed, "forward", transposed_tokens)], False),
     "qkv_one_gemm": ("q, k, v from one GEMM", [(vit.Attention, "forward", qkv_one_gemm)], False),  # a candidate
+    "cast_by_each": ("attention input cast by each of q, k, v", [(vit.Attention, "forward", cast_by_each)], False),
     "copy_on_compute_stream": ("copy on the compute stream",
                                [(TORCH_LOADER, "_on_device", copy_on_the_compute_stream)], True),
     "loader_restarted_each_epoch": ("loader restarted each epoch", [(TORCH_LOADER, "set_epoch", restarted_each_epoch),
                                                                     (RING_SAMPLER, "__iter__", one_epoch_of_requests)],
                                     False),
 }
+CANDIDATES = ("qkv_one_gemm",)  # kept where they gain, together where they patch different methods
 ATTENTION = ("auto", "cudnn", "flash", "efficient")
+COMPILED = {  # name: (what, torch.compile mode, needs CUDA)
+    "default": ("compiled (--enable_jit)", None, False),
+    "reduce-overhead": ("compiled + CUDA Graphs (mode reduce-overhead)", "reduce-overhead", True),
+    "kept": ("compiled with the candidates that gained", None, False),
+}
+GAIN = 0.99  # a candidate is kept when its step alone takes at most 99% of now's
 
 
 class Step:
     """The training step of train.py for the ViT (bf16 autocast, fused Adam), on `device`."""
 
-    def __init__(self, params, device):
+    def __init__(self, params, device, compile_mode=False):
         torch.manual_seed(0)
         self.model = get_model(params).to(device)
+        if compile_mode is not False:  # as train.py's --enable_jit, or with a mode of torch.compile's
+            torch._dynamo.reset()
+            self.model = torch.compile(self.model, mode=compile_mode)
         self.optimizer = get_optimizer(params, self.model)
         self.loss_fn = get_loss(params)
         self.autocast = torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled)
@@ -128,9 +158,10 @@ def ms_per_step(run_one, steps, warmup, device):
     return 1000 * (time.perf_counter() - start) / steps
 
 
-def measure(params, loader, device, steps, warmup, with_loader):
-    """ms per step of a fresh model: on one batch kept on the device, or fed by `loader` epoch after epoch."""
-    step = Step(params, device)
+def measure(params, loader, device, steps, warmup, with_loader, compile_mode=False):
+    """ms per step of a fresh model (compiled unless compile_mode is False): on one batch kept on the device, or fed
+    by `loader` epoch after epoch."""
+    step = Step(params, device, compile_mode)
     if with_loader:
         batches = endless_batches(loader)
 
@@ -145,6 +176,39 @@ def measure(params, loader, device, steps, warmup, with_loader):
     return ms_per_step(run_one, steps, warmup, device)
 
 
+def patched(names):
+    """The patches of VARIANTS `names` applied until the context ends (every method put back afterwards)."""
+    patch = contextlib.ExitStack()
+    for name in names:
+        for owner, attribute, replacement in VARIANTS[name][1]:
+            patch.callback(setattr, owner, attribute, getattr(owner, attribute))
+            setattr(owner, attribute, replacement)
+    return patch
+
+
+def kept_candidates(step_alone_ms):
+    """The candidates whose step alone took at most GAIN x now's, best first, leaving out one that patches a method
+    a better one already patches."""
+    now = step_alone_ms.get("now")
+    gained = sorted((ms, name) for name, ms in step_alone_ms.items()
+                    if name in CANDIDATES and now and isinstance(ms, float) and ms <= GAIN * now)
+    kept, taken = [], set()
+    for _, name in gained:
+        places = {(owner, attribute) for owner, attribute, _ in VARIANTS[name][1]}
+        if not places & taken:
+            kept.append(name)
+            taken |= places
+    return kept
+
+
+def chosen(parser, value, known, what):
+    names = [name for name in value.split(",") if name]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {what} {', '.join(unknown)}; choose among: {', '.join(known)}")
+    return names
+
+
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", required=True, help="ERA5 sample data (e.g. from make gpu-table)")
@@ -152,8 +216,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workers", type=int, default=8, help="loader workers")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument("--attention", default=",".join(ATTENTION), help="kernels to time (default: all; '' none)")
+    parser.add_argument("--compiled", default="", help=f"compiled steps to time, among {', '.join(COMPILED)} "
+                        "(default: none; each compiles the model, about 30 s on an H100)")
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a check of this script)")
     args = parser.parse_args(argv)
+    variants = chosen(parser, args.variants, VARIANTS, "variant")
+    attention = chosen(parser, args.attention, ATTENTION, "attention kernel")
+    compiled = chosen(parser, args.compiled, COMPILED, "compiled step")
+    if "now" not in variants:
+        variants.insert(0, "now")  # what every lever is measured against
     params = YParams("config/ViT.yaml", "tiny" if args.tiny else "short")
     flags = ["--data_dir", args.data_dir, "--amp_mode", "bf16", "--enable_fused",
              "--num_data_workers", str(args.workers)]
@@ -162,20 +235,18 @@ def main(argv=None):
     loader = get_data_loader(params, train=True)  # one loader (its workers started once) for every variant
     report = {"device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "config": "tiny" if args.tiny else "short", "batch": params.local_batch_size, "steps": args.steps,
-              "step_alone_ms": {}, "with_loader_ms": {}, "attention_ms": {}}
-    for name, (what, patches, needs_cuda) in VARIANTS.items():
+              "step_alone_ms": {}, "with_loader_ms": {}, "attention_ms": {}, "compiled_ms": {}}
+    for name in variants:
+        what, patches, needs_cuda = VARIANTS[name]
         for with_loader, key in ((False, "step_alone_ms"), (True, "with_loader_ms")):
             loader_lever = any(owner in (TORCH_LOADER, RING_SAMPLER) for owner, _, _ in patches)
             if (needs_cuda and device.type != "cuda") or (not with_loader and loader_lever):
                 continue
-            patch = contextlib.ExitStack()
-            for owner, attribute, replacement in patches:
-                patch.callback(setattr, owner, attribute, getattr(owner, attribute))
-                setattr(owner, attribute, replacement)
-            with patch:
+            with patched([name]):
                 report[key][name] = value = measure(params, loader, device, args.steps, args.warmup, with_loader)
             log(f"{what}, {'with the loader' if with_loader else 'step alone'}: {value:.2f} ms/step")
-    for backend in ATTENTION:
+            write_json(args.out, report)  # after every measurement: a run cut short keeps what it measured
+    for backend in attention:
         try:
             select_attention_backend(backend, device)
             report["attention_ms"][backend] = value = measure(params, loader, device, args.steps, args.warmup, False)
@@ -185,7 +256,22 @@ def main(argv=None):
             log(f"attention {backend}: not run ({str(err).splitlines()[0]})")
         finally:
             select_attention_backend("auto", device)
-    write_json(args.out, report)
+        write_json(args.out, report)
+    report["kept"] = kept = kept_candidates(report["step_alone_ms"])
+    log(f"candidates kept (step alone at most {GAIN:.0%} of now's): {', '.join(kept) or 'none'}")
+    for name in compiled:
+        what, mode, needs_cuda = COMPILED[name]
+        if needs_cuda and device.type != "cuda":
+            report["compiled_ms"][name] = "not run: CUDA Graphs need a CUDA GPU"
+        elif name == "kept" and not kept:
+            report["compiled_ms"][name] = "not run: no candidate gained in eager"
+        else:
+            with patched(kept if name == "kept" else []):
+                report["compiled_ms"][name] = measure(params, loader, device, args.steps, args.warmup, False,
+                                                      compile_mode=mode)
+        value = report["compiled_ms"][name]
+        log(f"{what}: {value:.2f} ms/step" if isinstance(value, float) else f"{what}: {value}")
+        write_json(args.out, report)
     log(f"report written to {args.out}")
     return 0
 

@@ -39,12 +39,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def make_data(root, sizes, log=print):
-    """Sample data of each stage under `root` at `sizes` (DATA_SIZES[...]), generated where missing; {name: dir}."""
+def make_data(root, sizes, log=print, names=None):
+    """Sample data of each stage under `root` at `sizes` (DATA_SIZES[...]), generated where missing; {name: dir}.
+    `names`: only those stages' data (default: all three)."""
     from sample_data import write_cifar100, write_cosmo, write_era5
     writers = {"era5": write_era5, "cosmo": write_cosmo, "cifar100": write_cifar100}
     paths = {}
     for name, writer in writers.items():
+        if names is not None and name not in names:
+            continue
         paths[name] = os.path.join(root, name)
         if not os.path.isdir(paths[name]):
             log(f"generating {name} sample data in {paths[name]}")

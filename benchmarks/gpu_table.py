@@ -4,23 +4,28 @@ and date, and the step's targets.
     make gpu-table      # python -m benchmarks.gpu_table --out bench_results/gpu/single_gpu_table.json
 
 Rows (train.py's --enable_benchy on sample data at the real sizes; FULL = loader + copy + step, SYNTHETIC = the same
-step on one batch kept on the GPU):
+step on one batch kept on the GPU, IO = the loader alone):
   ViT `short`: baseline (fp32, no loader workers), 8 loader workers, DALI (where it imports), bf16 (8 workers),
   bf16 + fused Adam + torch.compile, bf16 + fused Adam under CUDA Graphs (train_graph.py);
-  UNet `short` and `short` with fp16 + fused Adam; ResNet `bs128` and `bs256-amp-nhwc-extra-opts`;
-  then each lever of the ViT step on its own (benchmarks/bench_levers.py, into the same JSON).
-A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason. Targets (ViT
-`short` bf16, 8 workers, FULL): eager >= 135 samples/s, fused + compile >= 165, the run with the loader >= 95% of
-the same step without it, peak memory <= 14.2 GB; each with its measured value and whether it was met. On one H100
-(2026-11-27) the rows took 12 minutes in all at 12 batches x 2 trials on 128 samples a year; now 12 batches x 1
-trial (4 for the fp32 ViT rows, whose step is 0.86 s) on 64 samples (4 steps an epoch), estimated from those rows'
-times at about 7.5 minutes with the data, and 1 more for the levers (not yet rerun on a GPU). Where /dev/shm cannot
-hold 8 workers' rings, fewer workers run and the row says so. `--tiny --allow-cpu` runs the same rows on the `tiny`
-configs (a check of this script on any machine).
+  UNet `short` as the original walks it: 2 workers (the config's), 8, fp16 + fused Adam with 2 and 8, bf16 + fused,
+  channels_last_3d, compile; ResNet `bs128` and `bs256-amp-nhwc-extra-opts`; the `mp` ViT at tp=1 on one GPU
+  (train_mp.py, batch 16 as each GPU of the published run), eager and compiled;
+  then each lever of the ViT step on its own (benchmarks/bench_levers.py, into the same JSON; `levers` in --rows
+  places it, --levers-args chooses what it times).
+A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason; each row says
+which machine and date measured it (`ran`), and `--merge` keeps the rows of an existing report that a run does not
+measure. Targets: ViT `short` bf16, 8 workers, FULL: eager >= 135 samples/s, fused + compile >= 165, the run with
+the loader >= 95% of the same step without it, peak memory <= 14.2 GB; UNet `short`: FULL >= 90% of SYNTHETIC; each
+with its measured value and whether it was met. On one H100 (2026-11-27) the ViT and UNet rows took 12 minutes at 12
+batches x 2 trials; now 12 batches x 1 trial (4 for the fp32 ViT rows, whose step is 0.86 s), on 64 ERA5 samples a
+year (4 steps an epoch). Where /dev/shm cannot hold 8 workers' rings, fewer workers run and the row says so.
+`--tiny --allow-cpu` runs the same rows on the `tiny` configs (a check of this script on any machine).
 """
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +38,11 @@ from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
 BF16 = ["--amp_mode", "bf16", "--num_data_workers", "8"]
+W8, FP16 = ["--num_data_workers", "8"], ["--amp_mode", "fp16", "--enable_fused"]
+# the `mp` ViT at tp=1 on one GPU, local batch 16 as each of the published run's 4 A100s; its config names DALI,
+# which a GPU node may lack: the PyTorch loader
+MP_TP1 = ["--local_batch_size", "16", "--data_loader_config", "pytorch", "--num_data_workers", "8",
+          "--tensor_parallel", "1", "--checkpoint_interval", "0"]
 # name: (label, yaml, config, data set, script, flags)
 ROWS = {
     "vit_baseline": ("ViT short: baseline (fp32, 0 workers)", "config/ViT.yaml", "short", "era5", "train.py",
@@ -47,12 +57,24 @@ ROWS = {
     "vit_graphs": ("ViT short: bf16 + fused + CUDA Graphs", "config/ViT.yaml", "short", "era5", "train_graph.py",
                    [*BF16, "--enable_fused"]),
     "unet_short": ("UNet short", "config/UNet.yaml", "short", "cosmo", "train.py", []),
-    "unet_fp16_fused": ("UNet short: fp16 + fused", "config/UNet.yaml", "short", "cosmo", "train.py",
-                        ["--amp_mode", "fp16", "--enable_fused"]),
+    "unet_w8": ("UNet short: 8 workers", "config/UNet.yaml", "short", "cosmo", "train.py", W8),
+    "unet_fp16_fused": ("UNet short: fp16 + fused", "config/UNet.yaml", "short", "cosmo", "train.py", FP16),
+    "unet_fp16_fused_w8": ("UNet short: fp16 + fused, 8 workers", "config/UNet.yaml", "short", "cosmo", "train.py",
+                           [*FP16, *W8]),
+    "unet_bf16_fused_w8": ("UNet short: bf16 + fused, 8 workers", "config/UNet.yaml", "short", "cosmo", "train.py",
+                           ["--amp_mode", "bf16", "--enable_fused", *W8]),
+    "unet_fp16_fused_nhwc_w8": ("UNet short: fp16 + fused + channels_last_3d, 8 workers", "config/UNet.yaml", "short",
+                                "cosmo", "train.py", [*FP16, *W8, "--enable_nhwc"]),
+    "unet_fp16_fused_jit_w8": ("UNet short: fp16 + fused + compile, 8 workers", "config/UNet.yaml", "short", "cosmo",
+                               "train.py", [*FP16, *W8, "--enable_jit"]),
     "resnet_bs128": ("ResNet bs128", "config/ResNet50.yaml", "bs128", "cifar100", "train.py", []),
     "resnet_extra_opts": ("ResNet bs256-amp-nhwc-extra-opts", "config/ResNet50.yaml", "bs256-amp-nhwc-extra-opts",
                           "cifar100", "train.py", []),
+    "mp_tp1": ("ViT mp, tp=1 (fp16, batch 16)", "config/ViT.yaml", "mp", "era5", "train_mp.py", MP_TP1),
+    "mp_tp1_compile": ("ViT mp, tp=1 (fp16, batch 16) + compile", "config/ViT.yaml", "mp", "era5", "train_mp.py",
+                       [*MP_TP1, "--enable_jit"]),
 }
+LEVERS = "levers"  # a name --rows takes beside the rows: benchmarks/bench_levers.py, where it stands in the list
 # the fp32 ViT step takes 0.86 s on an H100 (2026-11-27) and varied by 0.02% between trials: 4 batches measure it
 FP32_VIT_ROWS = ("vit_baseline", "vit_workers")
 TARGETS = {  # (row, what, at least / at most)
@@ -61,6 +83,7 @@ TARGETS = {  # (row, what, at least / at most)
     "loader_fraction_eager": ("vit_bf16", "FULL / SYNTHETIC", 0.95, None),
     "loader_fraction_fused_compile": ("vit_fused_compile", "FULL / SYNTHETIC", 0.95, None),
     "peak_memory_gb": ("vit_bf16", "peak memory GB", None, 14.2),
+    "unet_loader_fraction": ("unet_short", "FULL / SYNTHETIC", 0.90, None),  # issue #39: the loader keeps up
 }
 
 
@@ -129,22 +152,91 @@ def check_targets(rows):
     return checked
 
 
-def run_levers(era5_dir, work, tiny):
+class Deadline(Exception):
+    """SIGTERM (gpu_session.sh's deadline for the part): keep what was measured, then stop."""
+
+
+def on_sigterm(signum, frame):
+    raise Deadline()
+
+
+def run_levers(era5_dir, work, tiny, extra=()):
     """benchmarks/bench_levers.py in its own process: each lever of the ViT step on its own; its JSON, or the error."""
     out = os.path.join(work, "levers.json")
     # the levers' one loader holds one ring: workers_that_fit counts two, so what it allows fits
     workers, note = workers_that_fit(["--num_data_workers", "8"], tiny, shm_free_bytes())
     command = [sys.executable, "-m", "benchmarks.bench_levers", "--data_dir", era5_dir, "--out", out,
-               "--workers", workers[-1], *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else [])]
+               "--workers", workers[-1], *(["--tiny", "--steps", "3", "--warmup", "1"] if tiny else []), *extra]
     if note:
         log(f"levers: {note}")
     log(f"levers: {' '.join(command[1:])}")
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    print(result.stdout[-3000:], flush=True)
+    if os.path.exists(out):
+        os.remove(out)  # an earlier run's
+    try:  # its progress goes to this log as it comes
+        result = subprocess.run(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    except Deadline:  # the session's deadline stopped both: what it measured so far (it writes after each variant)
+        if not os.path.exists(out):
+            raise
+        with open(out) as f:
+            return {"ok": True, "cut": "stopped by the session's deadline", **json.load(f)}
     if result.returncode != 0:
         return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"]}
     with open(out) as f:
         return {"ok": True, **json.load(f)}
+
+
+def run_row(name, tiny, data, work, bench, ran):
+    """One row of the table: its --enable_benchy run's JSON with `ran` (the machine and date), or why not."""
+    label, yaml, config, dataset, script, flags = ROWS[name]
+    reason = cannot_run(script, flags)
+    if reason:
+        log(f"{label}: not run ({reason})")
+        return {"ok": False, "skipped": reason}
+    flags, note = workers_that_fit(flags, tiny, shm_free_bytes())
+    if note:
+        log(f"{label}: {note}")
+    if tiny and "--local_batch_size" in flags:  # the tiny config's batch
+        at = flags.index("--local_batch_size") + 1
+        flags = [*flags[:at], "4", *flags[at + 1:]]
+    row_bench = {**bench, "nbatches": 4} if name in FP32_VIT_ROWS and not tiny else bench
+    result = run_stage(name, yaml, "tiny" if tiny else config, data[dataset], flags, work, row_bench,
+                       script=script, log=log)
+    if result["ok"]:
+        log(f"{label}: FULL {result['FULL']['mean']:.1f} samples/s, SYNTHETIC {result['SYNTHETIC']['mean']:.1f}, "
+            f"IO {result['IO']['mean']:.1f}, peak memory {result['peak_memory_gb']:.2f} GB ({result['seconds']:.0f} s)")
+    else:
+        log(f"{label} FAILED: {result['error'][0]}")
+    return {**result, "ran": ran, **({"note": note} if note else {})}
+
+
+def stamp(report):
+    """Where and when a row ran, in words."""
+    return f"{report['device']}, torch {report['torch']}, {report['date']}"
+
+
+RUN_KEYS = ("device", "torch", "date", "steps")  # what names a levers run
+
+
+def merged(old, new):
+    """`new` with the rows of `old` that `new` did not run (each keeping the stamp of the run that measured it) and
+    the levers of both, each measurement the newest."""
+    rows = {name: {"ran": stamp(old), **result} for name, result in old.get("rows", {}).items()
+            if name not in new["rows"]}
+    order = [name for name in ROWS if name in rows or name in new["rows"]]
+    new["rows"] = {name: new["rows"].get(name) or rows[name] for name in order}
+    old_levers, new_levers = old.get("levers", {}), new.get("levers")
+    if old_levers.get("ok") and (not new_levers or not new_levers.get("ok")):
+        new["levers"] = old_levers if not new_levers or "skipped" in new_levers else {**old_levers,
+                                                                                     "last_error": new_levers}
+    elif old_levers.get("ok"):
+        runs = old_levers.get("runs") or [{key: old_levers[key] for key in RUN_KEYS if key in old_levers}]
+        levers = {**old_levers, **{k: v for k, v in new_levers.items() if not isinstance(v, dict)}}
+        for key, value in new_levers.items():
+            if isinstance(value, dict):
+                levers[key] = {**old_levers.get(key, {}), **value}
+        levers["runs"] = [*runs, {key: new_levers[key] for key in RUN_KEYS if key in new_levers}]
+        new["levers"] = levers
+    return new
 
 
 def table(report):
@@ -165,51 +257,69 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_results/gpu/single_gpu_table.json", help="the JSON report")
     parser.add_argument("--work", default="data/gpu_table", help="sample data and runs go here")
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run (default: all)")
+    parser.add_argument("--rows", default=",".join([*ROWS, LEVERS]),
+                        help=f"comma-separated rows to run in this order, '{LEVERS}' among them for "
+                        "benchmarks/bench_levers.py (default: all, then the levers)")
     parser.add_argument("--tiny", action="store_true", help="the tiny configs and data (a check of this script)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
     parser.add_argument("--skip-levers", action="store_true", help="the table's rows only")
+    parser.add_argument("--levers-args", default="", help="more arguments of bench_levers, e.g. \"--variants "
+                        "now,cast_once --attention '' --compiled default\"")
+    parser.add_argument("--merge", action="store_true", help="keep the rows (and levers) of an existing --out that "
+                        "this run does not measure, each with the machine and date that measured it")
     parser.add_argument("--data-only", action="store_true", help="generate the sample data and stop (to make it "
                         "on the CPU while the GPU does something else)")
+    parser.add_argument("--datasets", default="era5,cosmo,cifar100", help="with --data-only: which sample data")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    names = [name for name in args.rows.split(",") if name and not (name == LEVERS and args.skip_levers)]
+    unknown = sorted(set(names) - set(ROWS) - {LEVERS})
     if unknown:
-        print(f"error: unknown row {', '.join(unknown)}; choose among: {', '.join(ROWS)}", file=sys.stderr)
+        print(f"error: unknown row {', '.join(unknown)}; choose among: {', '.join([*ROWS, LEVERS])}", file=sys.stderr)
         return 2
     sizes = "tiny" if args.tiny else "full"
     work = os.path.abspath(args.work)
     if args.data_only:
-        make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
+        make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log, names=args.datasets.split(","))
         return 0
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: make gpu-table measures a GPU (torch.cuda.is_available() is False here); run it on a GPU "
               "node, e.g. `salloc -C gpu -N 1 -G 1` then `make gpu-table`", file=sys.stderr)
         return 2
+    old = None
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
     report = {"device": device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "date": time.strftime("%Y-%m-%d"), "started": time.ctime(), "tiny": args.tiny, "rows": {}}
-    data = make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log)
+    needed = {ROWS[name][3] for name in names if name in ROWS} | ({"era5"} if LEVERS in names else set())
+    data = make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log, names=needed)
     bench = {"nbatches": 2, "ntrials": 1, "nwarmup": 0} if args.tiny else {"nbatches": 12, "ntrials": 1, "nwarmup": 1}
-    for name in args.rows.split(","):
-        label, yaml, config, dataset, script, flags = ROWS[name]
-        reason = cannot_run(script, flags)
-        if reason:
-            report["rows"][name] = {"ok": False, "skipped": reason}
-            log(f"{label}: not run ({reason})")
-            continue
-        flags, note = workers_that_fit(flags, args.tiny, shm_free_bytes())
-        if note:
-            log(f"{label}: {note}")
-        row_bench = {**bench, "nbatches": 4} if name in FP32_VIT_ROWS and not args.tiny else bench
-        result = run_stage(name, yaml, "tiny" if args.tiny else config, data[dataset], flags, work, row_bench,
-                           script=script, log=log)
-        report["rows"][name] = {**result, **({"note": note} if note else {})}
-        write_json(args.out, report)  # after every row: a run cut short keeps what it measured
-        if result["ok"]:
-            log(f"{label}: FULL {result['FULL']['mean']:.1f} samples/s, SYNTHETIC {result['SYNTHETIC']['mean']:.1f}, "
-                f"peak memory {result['peak_memory_gb']:.2f} GB ({result['seconds']:.0f} s)")
-        else:
-            log(f"{label} FAILED: {result['error'][0]}")
-    report["levers"] = {"skipped": "--skip-levers"} if args.skip_levers else run_levers(data["era5"], work, args.tiny)
+
+    def save():  # after every row: a run cut short keeps what it measured
+        done = {**report, "rows": dict(report["rows"])}
+        done = merged(json.loads(json.dumps(old)), done) if old else done
+        write_json(args.out, {**done, "targets": check_targets(done["rows"])})
+
+    before = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        for name in names:
+            if name == LEVERS:
+                report["levers"] = run_levers(data["era5"], work, args.tiny, shlex.split(args.levers_args))
+                if report["levers"].get("cut"):
+                    raise Deadline()  # the levers kept what they measured; the session stops this part
+            else:
+                report["rows"][name] = run_row(name, args.tiny, data, work, bench, stamp(report))
+            save()
+    except Deadline:
+        save()
+        log(f"stopped by the session's deadline; what it measured is in {args.out}")
+        return 124
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    if LEVERS not in names:
+        report["levers"] = {"skipped": "--skip-levers" if args.skip_levers else "not among --rows"}
+    if old:
+        report = merged(old, report)
     report["targets"] = check_targets(report["rows"])
     report["table"] = table(report)
     write_json(args.out, report)

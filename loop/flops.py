@@ -69,15 +69,22 @@ def fp32_matmuls_use_tf32():
     return torch.backends.cuda.matmul.allow_tf32 or os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1"
 
 
-def peak_flops(device, dtype):
-    """(peak FLOP/s, where it comes from): the datasheet for known GPUs, else a measured matmul."""
+def fp32_convolutions_use_tf32():
+    """Whether cuDNN runs float32 convolutions on TF32 tensor cores: PyTorch's switch (on by default), unless
+    NVIDIA_TF32_OVERRIDE=0 turns TF32 off."""
+    return os.environ.get("NVIDIA_TF32_OVERRIDE") != "0" and torch.backends.cudnn.allow_tf32
+
+
+def peak_flops(device, dtype, convolutions=False):
+    """(peak FLOP/s, where it comes from): the datasheet for known GPUs, else a measured matmul. `convolutions`: the
+    model's FLOPs are convolutions (UNet, ResNet), whose fp32 peak is TF32's where cuDNN uses it, not cuBLAS."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for gpu, (half, tf32, fp32) in GPU_PEAKS.items():
             if gpu in name:
                 if dtype in (torch.float16, torch.bfloat16):
                     return half, f"{gpu} datasheet {dtype}"
-                if fp32_matmuls_use_tf32():
+                if fp32_convolutions_use_tf32() if convolutions else fp32_matmuls_use_tf32():
                     return tf32, f"{gpu} datasheet tf32"
                 return fp32, f"{gpu} datasheet fp32"
     if dtype == torch.float32:
@@ -96,9 +103,9 @@ class Peak:
     again and raised to at least that throughput, so MFU never exceeds 100%.
     """
 
-    def __init__(self, device, dtype):
-        self.device, self.dtype = device, dtype
-        self.value, self.source = peak_flops(device, dtype)
+    def __init__(self, device, dtype, convolutions=False):
+        self.device, self.dtype, self.convolutions = device, dtype, convolutions
+        self.value, self.source = peak_flops(device, dtype, convolutions)
         self.measured = self.source.startswith(("measured", "best of measured"))
 
     def describe(self):
@@ -108,5 +115,5 @@ class Peak:
     def mfu(self, achieved):
         """achieved / peak, at most 1."""
         if achieved > self.value and self.measured:
-            self.value = max(self.value, peak_flops(self.device, self.dtype)[0], achieved)
+            self.value = max(self.value, peak_flops(self.device, self.dtype, self.convolutions)[0], achieved)
         return min(achieved / self.value, 1.0)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed.helpers import compute_split_shapes, mark_shared
-from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
+from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP, cast_once_for_autocast
 from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
 from utils import comm
 from utils.errors import UserError
@@ -62,6 +62,7 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, N, E = x.shape
+        x = cast_once_for_autocast(x)  # under autocast q, k and v would each cast x
 
         def heads(t):  # (B, N, E) -> (B, heads, N, head_dim)
             return t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)

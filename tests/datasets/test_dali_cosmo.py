@@ -258,6 +258,32 @@ def test_bench_loader_cosmo_reports_every_loader_against_the_raw_rate(tmp_path):
     assert versus["1"]["rounds_ahead"] == sum(ratio >= 1 for ratio in versus["1"]["runs"])
 
 
+@pytest.mark.multiprocess
+def test_bench_loader_cosmo_without_dali_measures_the_rest(tmp_path, monkeypatch, capsys):
+    """On a GPU node without DALI (the 2026-11-28 H100 session ended in a traceback there) the cosmology benchmark
+    leaves DALI's rows out, says so once, and writes the others. Twin: with DALI the row is there."""
+    import json
+
+    from benchmarks import bench_loader
+    for installed in (False, True):
+        if installed and not dali_installed():
+            continue  # the twin needs DALI
+        monkeypatch.setattr(bench_loader.loader_common, "dali_installed", lambda installed=installed: installed)
+        out = tmp_path / f"loader_{installed}.json"
+        assert bench_loader.main(["--dataset", "cosmo", "--data_dir", str(tmp_path / "cosmo"), "--box", "32",
+                                  "--crop", "16", "--nbatches", "1", "--warmup", "0", "--workers", "0", "--threads",
+                                  "1", "--before_workers", "0", "--out", str(out)]) == 0
+        results = json.loads(out.read_text())
+        dali_rows = [row["loader"] for row in results["rows"] if row["loader"].startswith("DALI")]
+        if installed:
+            assert dali_rows and "dali" not in results
+        else:
+            assert dali_rows == [] and results["dali_over_pytorch"] == {}
+            assert results["dali"].startswith("NVIDIA DALI is not installed here")
+            assert "[bench_loader] NVIDIA DALI is not installed here" in capsys.readouterr().out
+            assert results["lowmem_over_raw_h5py"]["0 workers"]["host turns"] > 0
+
+
 def test_bench_loader_refuses_zero_rounds_in_one_line(capsys):
     from benchmarks import bench_loader
     with pytest.raises(SystemExit) as stop:

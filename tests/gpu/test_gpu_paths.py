@@ -187,6 +187,30 @@ def test_a_gpu_node_whose_gpus_pytorch_cannot_use_is_refused(monkeypatch):
     assert comm.get_device() == torch.device("cpu")
 
 
+@pytest.mark.parametrize("env, cudnn_tf32, convolutions, expected", [
+    ({}, True, True, 156e12),  # cuDNN's default: fp32 convolutions on TF32 (the UNet's and ResNet's FLOPs)
+    ({}, True, False, 19.5e12),  # the twin: a matmul model (the ViT) keeps cuBLAS's fp32 peak
+    ({"NVIDIA_TF32_OVERRIDE": "0"}, True, True, 19.5e12),
+    ({}, False, True, 19.5e12),
+])
+def test_fp32_peak_of_a_convolution_model_is_tf32_where_cudnn_uses_it(env, cudnn_tf32, convolutions, expected,
+                                                                         monkeypatch):
+    """The UNet `short` run on an H100 (2026-11-28) trained at 75 TFLOP/s in fp32, above the fp32 datasheet peak
+    (67): cuDNN ran its convolutions on TF32, and MFU read 100%."""
+    for name in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, cudnn_tf32
+    try:
+        assert flops.peak_flops(torch.device("cuda", 0), torch.float32, convolutions)[0] == expected
+        assert flops.Peak(torch.device("cuda", 0), torch.float32, convolutions).value == expected
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("env, allow_tf32, expected", [
     ({}, False, 19.5e12),
     ({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, False, 156e12),  # NGC containers set it: fp32 matmuls run on TF32

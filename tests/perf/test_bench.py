@@ -1,6 +1,9 @@
 """The benchmarks print their numbers and write them as JSON. Failures point to benchmarks/bench_step.py or
 benchmarks/bench_train.py."""
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +99,65 @@ def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monke
     assert "| ViT short: baseline (fp32, 0 workers) |" in printed and "not run: CUDA Graphs need a CUDA GPU" in printed
 
 
+def test_gpu_table_merge_keeps_the_rows_it_did_not_run_each_with_its_machine():
+    """--merge: the old report's rows this run did not measure stay, stamped with the old run's machine and date, in
+    the table's order; a row measured again is the new one; the levers are the union, the newest value of each, with
+    both runs named. Twin: a new report without an old one is left as it is."""
+    from benchmarks.gpu_table import merged
+    old = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-27",
+           "rows": {"vit_bf16": {"ok": True, "x": 1}, "unet_short": {"ok": True, "x": 2}},
+           "levers": {"ok": True, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-27",
+                      "step_alone_ms": {"now": 113.5, "tokens_transposed": 126.0}, "attention_ms": {"auto": 113.5}}}
+    new = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-28",
+           "rows": {"unet_short": {"ok": True, "x": 3, "ran": "today"}},
+           "levers": {"ok": True, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-28",
+                      "step_alone_ms": {"now": 113.0, "cast_once": 110.0}, "compiled_ms": {"default": 94.0},
+                      "kept": ["cast_once"]}}
+    got = merged(json.loads(json.dumps(old)), json.loads(json.dumps(new)))
+    assert list(got["rows"]) == ["vit_bf16", "unet_short"]
+    assert got["rows"]["vit_bf16"] == {"ran": "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27", "ok": True,
+                                       "x": 1}
+    assert got["rows"]["unet_short"] == {"ok": True, "x": 3, "ran": "today"}
+    levers = got["levers"]
+    assert levers["step_alone_ms"] == {"now": 113.0, "tokens_transposed": 126.0, "cast_once": 110.0}
+    assert levers["attention_ms"] == {"auto": 113.5} and levers["compiled_ms"] == {"default": 94.0}
+    assert [run["date"] for run in levers["runs"]] == ["2026-11-27", "2026-11-28"] and levers["kept"] == ["cast_once"]
+    skipped = merged(json.loads(json.dumps(old)), {**json.loads(json.dumps(new)), "levers": {"skipped": "x"}})
+    assert skipped["levers"] == old["levers"]
+
+
+def test_gpu_table_stopped_by_the_deadline_keeps_the_levers_measured(tmp_path, monkeypatch):
+    """SIGTERM (gpu_session.sh's deadline) while bench_levers runs: the table keeps what the levers wrote so far,
+    marked cut, and gpu_table ends with 124; the handler of SIGTERM is put back. Twin: a SIGTERM before the levers
+    wrote anything keeps no levers."""
+    import signal
+
+    from benchmarks import gpu_table
+    monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_table, "make_data", lambda root, sizes, log, names=None: {"era5": str(tmp_path)})
+    for wrote in (True, False):
+        def levers_cut_short(command, wrote=wrote, **kwargs):
+            if wrote:
+                out = command[command.index("--out") + 1]
+                Path(out).write_text(json.dumps({"device": "cpu", "torch": "x", "date": "d",
+                                                 "step_alone_ms": {"now": 20.0}}))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+            raise AssertionError("SIGTERM did not stop the levers")
+        monkeypatch.setattr(gpu_table.subprocess, "run", levers_cut_short)
+        before = signal.getsignal(signal.SIGTERM)
+        out = tmp_path / f"table_{wrote}.json"
+        assert gpu_table.main(["--tiny", "--allow-cpu", "--rows", "levers", "--work", str(tmp_path),
+                               "--out", str(out)]) == 124
+        assert signal.getsignal(signal.SIGTERM) == before
+        report = json.loads(out.read_text())
+        if wrote:
+            assert report["levers"]["cut"] == "stopped by the session's deadline"
+            assert report["levers"]["step_alone_ms"] == {"now": 20.0}
+        else:
+            assert "levers" not in report
+
+
 def test_gpu_table_targets_say_met_or_missed():
     """The targets read the right row and compare the right way (a number below the floor is missed)."""
     from benchmarks.gpu_table import check_targets
@@ -139,13 +201,49 @@ def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp
     assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "2",
                               "--warmup", "1", "--workers", "1"]) == 0
     report = json.loads(out.read_text())
-    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm"}
-    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm", "loader_restarted_each_epoch"}
+    assert set(report["step_alone_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm", "cast_by_each"}
+    assert set(report["with_loader_ms"]) == {"now", "tokens_transposed", "qkv_one_gemm", "cast_by_each",
+                                             "loader_restarted_each_epoch"}
     assert all(value > 0 for value in [*report["step_alone_ms"].values(), *report["with_loader_ms"].values()])
     assert report["attention_ms"]["auto"] > 0 and report["attention_ms"]["flash"] > 0
     assert report["attention_ms"]["cudnn"].startswith("not run: --sdpa_backend cudnn is a CUDA kernel")
     assert (PatchEmbed.forward, TorchLoader._on_device, TorchLoader.set_epoch, RingBatchSampler.__iter__,
             Attention.forward) == originals
+
+
+@pytest.mark.multiprocess  # inductor compiles in worker processes
+def test_bench_levers_compiles_the_step_with_the_kept_candidates(era5_dir, tmp_path, monkeypatch):
+    """--compiled on the tiny ViT on the CPU: the step compiled as --enable_jit does, and compiled with the kept
+    candidates patched in (torch.compile called once for each, qkv_one_gemm in place during the second); CUDA Graphs
+    said not run; the patch put back. Twin: with no candidate kept, `kept` is said not run and nothing compiles."""
+    from benchmarks import bench_levers
+    from networks.vit import Attention
+    from tests.conftest import REPO_ROOT
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(bench_levers.torch.cuda, "is_available", lambda: False)
+    compiled, compile = [], torch.compile
+
+    def counted(model, mode=None):
+        compiled.append((mode, Attention.forward is bench_levers.qkv_one_gemm))
+        return compile(model, mode=mode)
+
+    monkeypatch.setattr(bench_levers.torch, "compile", counted)
+    original = Attention.forward
+    for kept in (["qkv_one_gemm"], []):
+        compiled.clear()
+        monkeypatch.setattr(bench_levers, "kept_candidates", lambda ms, kept=kept: kept)
+        out = tmp_path / "levers.json"
+        assert bench_levers.main(["--tiny", "--data_dir", era5_dir, "--out", str(out), "--steps", "1", "--warmup",
+                                  "1", "--workers", "0", "--variants", "now", "--attention", "",
+                                  "--compiled", "default,reduce-overhead,kept" if kept else "kept"]) == 0
+        report = json.loads(out.read_text())
+        if kept:
+            assert compiled == [(None, False), (None, True)]
+            assert report["compiled_ms"]["default"] > 0 and report["compiled_ms"]["kept"] > 0
+            assert report["compiled_ms"]["reduce-overhead"] == "not run: CUDA Graphs need a CUDA GPU"
+        else:
+            assert compiled == [] and report["compiled_ms"] == {"kept": "not run: no candidate gained in eager"}
+        assert Attention.forward is original
 
 
 @pytest.mark.parametrize("joined, tolerance", [(True, 1e-5), (False, None)])
@@ -177,6 +275,43 @@ def test_qkv_from_one_gemm_is_the_three_gemms_within_rounding(joined, tolerance)
         torch.testing.assert_close(grads[1], grads[0], atol=tolerance, rtol=tolerance)
     else:
         assert not torch.allclose(outputs[1], outputs[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_casts_its_input_once_bitwise_as_q_k_v_did(dtype, monkeypatch):
+    """networks/vit.py's Attention casts its input to the autocast dtype once, where autocast made q, k and v each
+    cast it (bench_levers' `cast_by_each`, as it was): the output bitwise the same under bf16 autocast, the input's
+    gradient within bf16's rounding (now summed in bf16). Its twin casts to fp16 instead of the autocast dtype, and
+    the forward differs."""
+    from benchmarks import bench_levers
+    from networks.vit import Attention
+    if dtype is torch.float16:  # the twin: the wrong dtype
+        monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: torch.float16)
+    torch.manual_seed(0)
+    attention, x = Attention(48, 4), torch.randn(2, 10, 48)
+    outputs, grads = [], []
+    for forward in (bench_levers.cast_by_each, Attention.forward):
+        inp = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(attention, inp)
+        out.float().square().sum().backward()
+        outputs.append(out.detach())
+        grads.append(inp.grad)
+    if dtype is torch.bfloat16:
+        assert torch.equal(outputs[1], outputs[0])
+        torch.testing.assert_close(grads[1], grads[0], atol=2e-2, rtol=2e-2)
+    else:
+        assert not torch.equal(outputs[1], outputs[0])
+
+
+def test_only_the_candidates_that_gain_are_kept_and_never_two_on_one_method(monkeypatch):
+    from benchmarks import bench_levers
+    from benchmarks.bench_levers import kept_candidates
+    assert kept_candidates({"now": 100.0, "qkv_one_gemm": 99.5}) == []
+    assert kept_candidates({"now": 100.0, "qkv_one_gemm": 98.0}) == ["qkv_one_gemm"]
+    assert kept_candidates({"now": 100.0, "tokens_transposed": 90.0}) == []  # not a candidate
+    monkeypatch.setattr(bench_levers, "CANDIDATES", ("qkv_one_gemm", "cast_by_each"))  # both patch Attention.forward
+    assert kept_candidates({"now": 100.0, "qkv_one_gemm": 98.0, "cast_by_each": 95.0}) == ["cast_by_each"]
 
 
 def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():
@@ -218,5 +353,31 @@ def test_bench_dry_run_keeps_a_failed_layout_and_goes_on(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"error: the dry run of tp=2 dp=2 failed \(the reasons are in .*dry.json\)"):
         bench_dry_run.main(["--tiny", "--out", str(tmp_path / "dry.json")])
     assert [len(doc["rows"]) for doc in written] == [1, 2]
-    assert written[-1]["rows"] == [{"name": "tp=2 dp=2", "error": "out of memory"},
-                                   {"name": "tp=2 cp=2", **result}]
+    ran = f"{written[-1]['device']}, torch {torch.__version__}, {written[-1]['date']}"
+    assert written[-1]["rows"] == [{"name": "tp=2 dp=2", "ran": ran, "error": "out of memory"},
+                                   {"name": "tp=2 cp=2", "ran": ran, **result}]
+
+
+def test_bench_dry_run_measures_the_layouts_asked_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """--layouts runs only the layouts whose names start so; --merge keeps an existing report's other rows, each
+    stamped with the machine and date of its report, in the layouts' order. Twin: without --merge the old row is
+    gone; a start that names no layout is one line."""
+    from benchmarks import bench_dry_run
+    out = tmp_path / "dry.json"
+    old = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "date": "2026-11-27",
+           "rows": [{"name": "tp=2 cp=2", "parameters": 7}, {"name": "tp=2 dp=2", "parameters": 5}]}
+    result = {"parameters": 1, "gradients": 1, "optimizer_state": 2, "saved_activations": 3, "peak_memory_gb": 0.1,
+              "peak_memory_is": "the sum of this rank's tensors above", "step_time_s": 0.5}
+    asked = []
+    monkeypatch.setattr(bench_dry_run, "dry_run_in_own_process", lambda args: (asked.append(args), (result, None))[1])
+    for merge in (True, False):
+        out.write_text(json.dumps(old))
+        bench_dry_run.main(["--tiny", "--out", str(out), "--layouts", "tp=2 dp", *(["--merge"] if merge else [])])
+        rows = json.loads(out.read_text())["rows"]
+        new = {"name": "tp=2 dp=2", "ran": rows[0]["ran"], **result}
+        assert rows == ([new, {"ran": "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27", "name": "tp=2 cp=2",
+                               "parameters": 7}] if merge else [new])
+    assert all("--context_parallel" not in args for args in asked) and len(asked) == 2
+    with pytest.raises(SystemExit):
+        bench_dry_run.main(["--tiny", "--out", str(out), "--layouts", "tp=8"])
+    assert "no layout starts with 'tp=8'; the layouts: tp=2 dp=2; tp=2 cp=2" in capsys.readouterr().err
