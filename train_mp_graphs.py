@@ -137,7 +137,7 @@ def main(argv=None):
     if args.dry_run:  # one rank of the layout measured, the others stand-ins (planning/dry_run.py), not training
         return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
-    peak = Peak(device, params.amp_dtype)
+    peak = Peak(device, params.amp_dtype, convolutions=params.model != "vit")  # TF32 convolutions in fp32
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")
     if params.enable_benchy:  # time the loader, the step, and both (loop/benchy.py) instead of training
         return run_benchmarks(run, model, train_loader, to_device, graphed_step, flops_per_sample / num_devices, peak,

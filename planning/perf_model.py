@@ -44,6 +44,9 @@ class ViTShape:
     out_channels: int
     patch_size: int
     hidden: int
+    # 16-bit copies of the first norm's output that q, k and v read: 1 here (the attention casts once); 3 in the
+    # original tutorial's code, whose q, k and v each cast it under autocast (its published runs: planning/plan.py)
+    attention_input_casts: int = 1
 
     @classmethod
     def from_params(cls, params):
@@ -123,8 +126,9 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     (the column-parallel inputs, all-gathered under sequence parallelism: t_c D), q (t_c D / tp), k and v, the
     attention output (also proj's input: a view), fc1's output and GELU's output (t_c hidden / tp each), the norms'
     means and inverse deviations and attention's log-sum-exp. Under 16-bit autocast the norms run in fp32 on the
-    fp32 residual stream; each linear layer casts its own input (q, k and v each keep a copy of the norm's output:
-    the cast cache holds weights only) and its 16-bit weight copy is saved once per forward. The serial layers keep
+    fp32 residual stream; the attention casts the norm's output once for q, k and v (autocast's cast cache holds
+    weights only, so each would cast it again: distributed.layers.cast_once_for_autocast), fc1 casts its own input,
+    and each 16-bit weight copy is saved once per forward. The serial layers keep
     their outputs in 16 bits; the distributed layers add their bias in fp32, so fc1's output is fp32 and q, k, v
     and GELU's output are 16-bit casts. Outside the blocks: the input image (its 16-bit cast), the final norm's input
     (t_c) and the head's input (t, gathered over cp), and the 16-bit copies of the patch-embedding and head weights.
@@ -144,7 +148,8 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     elif not half:
         block = 4 * (2 * t_s * d + 2 * t_c * d + qkv + t_c * d // tp + 2 * t_c * hidden // tp) + stats
     else:
-        block = 2 * 4 * t_s * d + 4 * 2 * t_c * d + 2 * qkv + 2 * t_c * d // tp + stats  # norms, casts, attention
+        casts = shape.attention_input_casts + 1  # and fc1's
+        block = 2 * 4 * t_s * d + casts * 2 * t_c * d + 2 * qkv + 2 * t_c * d // tp + stats  # norms, casts, attention
         block += (4 + 2) * t_c * hidden // tp if distributed else 2 * 2 * t_c * hidden  # fc1 out, GELU out
         weights = 2 * (4 * d * d + 2 * d * hidden) // tp
     patch_values = shape.patch_size ** 2
@@ -351,14 +356,15 @@ def memory_bound_bytes_per_sample(shape, layout=SERIAL, half=False):
     the linear layers C (t_c D), this rank's attention output S (t_c D / tp) and MLP activations H (t_c hidden / tp).
     Forward: the two LayerNorms (fp32 in and out: 16 R), the two residual adds (20 R in 16-bit autocast: fp32 stream
     plus a 16-bit branch; 24 R in fp32), attention's output back to tokens (4 or 8 S), GELU (4 or 8 H); under
-    autocast the casts of the norms' outputs for q, k, v and fc1 (24 C). The distributed layers add their biases
-    outside the GEMM (fp32: q, k, v, proj, fc1, fc2)."""
+    autocast the casts of the norms' outputs (6 C each: one for q, k and v, one for fc1; the original's code cast
+    for each of q, k and v). The distributed layers add their biases outside the GEMM (fp32: q, k, v, proj, fc1,
+    fc2)."""
     tp, cp = layout.tp, layout.cp
     d, t_c = shape.embed_dim, _chunk(shape.tokens, cp)
     t_s = _chunk(t_c, tp) if layout.sequence_parallel and tp > 1 else t_c
     r, c, s, h = t_s * d, t_c * d, t_c * d // tp, t_c * shape.hidden // tp
     if half:
-        forward = 36 * r + 24 * c + 4 * s + 4 * h
+        forward = 36 * r + 6 * (shape.attention_input_casts + 1) * c + 4 * s + 4 * h
         bias = 18 * s + 12 * r + 8 * h
     else:
         forward = 40 * r + 8 * s + 8 * h

@@ -20,6 +20,8 @@ VIT_ROWS = {  # README's label -> the gpu-table row
 }
 LEVERS = {  # docs/benchmarks.md's row -> (step alone variant or None, with the loader variant)
     "| as the code is now |": ("now", "now"),
+    "| the attention's input cast once (the model's since) |": ("cast_once", "cast_once"),
+    "| q, k, v from one GEMM of the three weights joined |": ("qkv_one_gemm", "qkv_one_gemm"),
     "| tokens as the transposed view they were |": ("tokens_transposed", "tokens_transposed"),
     "| the batch copied on the compute stream |": (None, "copy_on_compute_stream"),
     "| loader restarted (after a device-wide sync) at each epoch |": (None, "loader_restarted_each_epoch"),
@@ -31,7 +33,14 @@ PROFILE_ROWS = {  # README's profile table label -> the profile in step_profiles
     "ViT bf16 + fused + compile": "vit_nw8_bf16_fused_jit",
     "UNet fp32, 2 workers": "unet_baseline",
 }
-DRY_RUN_ROWS = {"| tp=1 dp=4 |": "tp=1 dp=4 (", "| tp=4 dp=4 |": "tp=4 dp=4 ("}
+DRY_RUN_ROWS = {"| tp=1 dp=4 |": "tp=1 dp=4 (", "| tp=4 dp=4 |": "tp=4 dp=4 (",
+                "| tp=4 dp=4, sequence parallel + checkpointing |": "tp=4 dp=4 sequence", "| dp=16, FSDP |": "dp=16"}
+UNET_ROWS = {  # README's UNet table label -> the gpu-table row
+    "H100: `lowmem`, 2 workers": "unet_short",
+    "H100: `--amp_mode fp16 --enable_fused`, 2 workers": "unet_fp16_fused",
+    "H100: the same, `--num_data_workers 8`": "unet_fp16_fused_w8",
+    "H100: `--amp_mode bf16 --enable_fused`, 8 workers": "unet_bf16_fused_w8",
+}
 
 
 def cells(text, start):
@@ -65,9 +74,17 @@ def mismatches(readme, table, dry):
     check_said("attention auto", f"{attention['auto']:.1f} ms with cuDNN's")
     check_said("attention flash", f"{attention['flash']:.1f} with FlashAttention-2")
     check_said("attention efficient", f"{attention['efficient']:.1f} memory-efficient")
-    unet = cells(readme, "| one H100 (torch 2.11.0+cu130, 2026-11-27, `make gpu-table`) |")
-    check("UNet IO, SYNTHETIC, FULL", unet[1:4], [f"{rows['unet_short'][part]['mean']:.0f}"
-                                                  for part in ("IO", "SYNTHETIC", "FULL")])
+    unet_rows = {**{label: rows[name] for label, name in UNET_ROWS.items()},
+                 "H100, the loader as it was: `lowmem`, 2 workers": table["earlier_rows"]["unet_short"]}
+    for label, row in unet_rows.items():
+        check(f"UNet {label}", cells(readme, f"| {label} |")[1:4],
+              [f"{row[part]['mean']:.0f}" for part in ("IO", "SYNTHETIC", "FULL")])
+    levers = table["levers"]
+    alone = levers["step_alone_ms"]
+    check_said("cast once", f"from {alone['now']:.1f} to {alone['cast_once']:.1f} ms")
+    check_said("compiled levers", f"({levers['compiled_ms']['default']:.1f} ms, and "
+                                  f"{levers['compiled_ms']['reduce-overhead']:.1f} with CUDA Graphs")
+    check_said("mp compiled", f"compiled (`--enable_jit`, 2026-11-28), {rows['mp_tp1_compile']['FULL']['mean']:.1f}")
     for name in ("resnet_bs128", "resnet_extra_opts"):
         check_said(f"{name} FULL", f"{rows[name]['FULL']['mean']:,.0f}")
     check_said("resnet_extra_opts SYNTHETIC", f"the step alone {rows['resnet_extra_opts']['SYNTHETIC']['mean']:,.0f}")
@@ -134,10 +151,19 @@ def load():
 
 
 def test_readme_gpu_figures_are_the_committed_runs():
+    """Each row names the machine and date that measured it; README says the same (the ViT rows 2026-11-27, the
+    UNet rows and the compiled mp row 2026-11-28, the last two dry runs 2026-11-28)."""
     readme, table, dry = load()
+    flat = " ".join(readme.split())
     assert table["device"].startswith("NVIDIA H100") and dry["device"].startswith("NVIDIA H100")
-    assert "on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, 16 CPU cores, 2026-11-27)" in " ".join(readme.split())
-    assert table["date"] == "2026-11-27" and table["torch"] == "2.11.0+cu130"
+    assert "on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, 16 CPU cores, 2026-11-27)" in flat
+    assert {table["rows"][name]["ran"] for name in VIT_ROWS.values()} == {
+        "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27"}
+    assert {table["rows"][name]["ran"] for name in [*UNET_ROWS.values(), "mp_tp1_compile"]} == {
+        "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-28"}
+    assert "(torch 2.11.0+cu130; the first row with the loader as it was on 2026-11-27, the others 2026-11-28)" in flat
+    assert [row["ran"][-10:] for row in dry["rows"]] == ["2026-11-27", "2026-11-27", "2026-11-28", "2026-11-28"]
+    assert "(torch 2.11.0+cu130, 2026-11-27; the last two rows 2026-11-28)" in flat
     assert mismatches(readme, table, dry) == []
 
 
@@ -169,18 +195,19 @@ def test_docs_benchmarks_hold_the_tables_own_rendering():
 
 
 def lesson_mismatches(readme):
-    """README's figures from the lessons' benchmarks (bench_results/gpu/lessons/): the `mp` config at tp=1 and the
-    UNet's fp16 + fused step, each as its JSON says."""
+    """README's figures from the lessons' benchmarks (bench_results/gpu/lessons/): the `mp` config at tp=1, eager, as
+    its JSON says, and the line of the run's log README quotes; and the raw h5py rate of the 2026-11-28 session's
+    log (the original loader's per-window reads on that node's CPU)."""
     lessons = GPU / "lessons"
     mp = json.loads((lessons / "mp_tp1_benchy.json").read_text())
-    unet = json.loads((lessons / "unet_fp16_fused_benchy.json").read_text())
     log = (lessons / "second_call_mp_tp1_benchy.log").read_text()
+    session = (GPU / "gpu_session.log").read_text()
+    raw = float(session.split("[bench_loader] raw h5py (1 thread): ")[1].split(" samples/s")[0])
     flat = " ".join(readme.split())
     said = {
         "mp FULL": f"tp=1 at local batch 16 ran at {mp['FULL']['mean']:.1f} samples/s",
         "mp peak": f"with a {mp['peak_memory_gb']:.1f} GB peak",
-        "unet SYNTHETIC": f"step alone runs at {unet['SYNTHETIC']['mean']:.0f} samples/s",
-        "unet IO": f"the loader still at {unet['IO']['mean']:.0f}",
+        "raw h5py": f"one core of that H100 node reads {raw:.0f} windows a second",
     }
     found = [f"{what}: README does not say {text!r}" for what, text in said.items() if text not in flat]
     predicted = flat.split("the log's prediction: `")[1].split("`")[0] if "the log's prediction: `" in flat else "?"

@@ -121,9 +121,9 @@ def test_saved_activations_are_the_measured_ones(config, half, checkpointing):
     shape = ViTShape.from_params(params)
     predicted = saved_activation_bytes(shape, batch, half, Layout(checkpointing=checkpointing))
     assert predicted == pytest.approx(saved.nbytes, rel=0.05)
-    if half and not checkpointing:  # the twin: q, k and v sharing one cast of the norm's output
-        one_cast = predicted - batch * shape.depth * 2 * 2 * shape.tokens * shape.embed_dim
-        assert one_cast != pytest.approx(saved.nbytes, rel=0.05)
+    if half and not checkpointing:  # the twin: q, k and v each casting the norm's output, as they did before
+        three_casts = predicted + batch * shape.depth * 2 * 2 * shape.tokens * shape.embed_dim
+        assert three_casts != pytest.approx(saved.nbytes, rel=0.05)
 
 
 def test_a_batch_viewed_from_a_loader_buffer_counts_as_the_batch():
@@ -145,17 +145,23 @@ def test_a_batch_viewed_from_a_loader_buffer_counts_as_the_batch():
 @pytest.mark.parametrize("bench, config, half", [("mp_demo.json", "demo", False), ("mp_shape.json", "mp", True)])
 def test_saved_activations_of_every_measured_layout(bench, config, half):
     """Every DDP layout `make bench-mp` (demo, fp32, batch 8) and `make bench-mp-shape` (mp, bf16, batch 1) measured
-    on rank 0: tp, cp, sequence parallelism and checkpointing."""
+    on rank 0: tp, cp, sequence parallelism and checkpointing, for the code each measured (mp_shape.json: the
+    attention that cast its input for each of q, k and v). Twin (bf16): the model of today's attention, which casts
+    once, is 8.5% below that measurement at tp=1."""
     doc = json.load(open(os.path.join("bench_results", bench)))
-    shape = ViTShape.from_params(YParams("config/ViT.yaml", config))
+    measured_code = dataclasses.replace(ViTShape.from_params(YParams("config/ViT.yaml", config)),
+                                        attention_input_casts=doc.get("attention_input_casts", 1))
     checked = 0
     for row in doc["rows"]:
         if "--fsdp" in row["flags"] and half:
             continue  # FSDP's 16-bit policy runs the whole forward in bf16: not modelled
         layout = Layout(tp=row["tp"], cp=row["cp"], sequence_parallel="--sequence_parallel" in row["flags"],
                         checkpointing="--activation_checkpointing" in row["flags"])
-        predicted = saved_activation_bytes(shape, row["local_batch_size"], half, layout)
+        predicted = saved_activation_bytes(measured_code, row["local_batch_size"], half, layout)
         assert predicted / 1e6 == pytest.approx(row["saved_activations_mb"], rel=0.05), row["layout"]
+        if half and row["layout"] == "tp=1":
+            today = saved_activation_bytes(dataclasses.replace(measured_code, attention_input_casts=1), 1, half, layout)
+            assert today / 1e6 != pytest.approx(row["saved_activations_mb"], rel=0.05)
         checked += 1
     assert checked >= 6
 

@@ -90,7 +90,8 @@ def test_the_model_holds_part_by_part_against_the_h100_step_profiles(capsys):
     assert rows["attention"]["measured_ms"] == {"eager": eager["attention"], "compiled": compiled["attention"]}
     assert rows["memory_bound"]["measured_ms"]["compiled"] == compiled["norm_elementwise"] + compiled["optimizer"]
     # the model's parts add up to its compute, and the model is the one `make plan` prints for that step
-    row = predict(shape_of("short"), SYSTEMS["H100-SXM"], Layout(), 16, "bf16")
+    profiled = dataclasses.replace(shape_of("short"), attention_input_casts=plan.PROFILED_ATTENTION_INPUT_CASTS)
+    row = predict(profiled, SYSTEMS["H100-SXM"], Layout(), 16, "bf16")
     assert sum(part["model_ms"] for part in rows.values()) == pytest.approx(comparison["total"]["model_ms"])
     assert comparison["total"]["model_ms"] == pytest.approx(1e3 * row["step_time_s"])  # one GPU: no communication
     assert "The model holds part by part." in printed
