@@ -264,7 +264,7 @@ def main(argv=None):
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (with --tiny, for tests)")
     parser.add_argument("--skip-levers", action="store_true", help="the table's rows only")
     parser.add_argument("--levers-args", default="", help="more arguments of bench_levers, e.g. \"--variants "
-                        "now,cast_once --attention '' --compiled default\"")
+                        "now,cast_by_each --attention '' --compiled default\"")
     parser.add_argument("--merge", action="store_true", help="keep the rows (and levers) of an existing --out that "
                         "this run does not measure, each with the machine and date that measured it")
     parser.add_argument("--data-only", action="store_true", help="generate the sample data and stop (to make it "
@@ -278,6 +278,11 @@ def main(argv=None):
         return 2
     sizes = "tiny" if args.tiny else "full"
     work = os.path.abspath(args.work)
+    unknown = sorted(set(args.datasets.split(",")) - set(TABLE_SIZES[sizes]))
+    if unknown:
+        print(f"error: unknown data set {', '.join(unknown)}; choose among: {', '.join(TABLE_SIZES[sizes])}",
+              file=sys.stderr)
+        return 2
     if args.data_only:
         make_data(os.path.join(work, sizes), TABLE_SIZES[sizes], log, names=args.datasets.split(","))
         return 0

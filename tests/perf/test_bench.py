@@ -179,6 +179,8 @@ def test_gpu_table_refuses_an_unknown_row_and_a_machine_without_cuda(capsys, mon
     from benchmarks import gpu_table
     assert gpu_table.main(["--rows", "vit_bf17"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown row vit_bf17; choose among: vit_baseline")
+    assert gpu_table.main(["--data-only", "--datasets", "era6"]) == 2
+    assert "error: unknown data set era6; choose among: era5, cosmo, cifar100" in capsys.readouterr().err
     monkeypatch.setattr(gpu_table.torch.cuda, "is_available", lambda: False)
     assert gpu_table.main([]) == 2
     assert capsys.readouterr().err.startswith("error: make gpu-table measures a GPU")
