@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from benchmarks.common import cpu_cores, device_name
+from benchmarks.common import cpu_cores, device_name, ran_on
 from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
@@ -73,9 +73,9 @@ def main(argv=None):
     if args.merge and os.path.exists(out):
         with open(out) as f:
             old = json.load(f)
-        ran = f"{old['device']}, torch {old['torch']}, {old['date']}"
-        kept = [{"ran": ran, **row} for row in old["rows"] if row["name"] not in {name for name, _, _ in layouts}]
-    stamp = f"{doc['device']}, torch {doc['torch']}, {doc['date']}"
+        measured = {name for name, _, _ in layouts}
+        kept = [{"ran": ran_on(old), **row} for row in old["rows"] if row["name"] not in measured]
+    stamp = ran_on(doc)
     failed = []
     for name, ranks, flags in layouts:
         print(f"dry run: {name} ({ranks} ranks)", flush=True)

@@ -238,8 +238,8 @@ def main(argv=None):
               "step_alone_ms": {}, "with_loader_ms": {}, "attention_ms": {}, "compiled_ms": {}}
     for name in variants:
         what, patches, needs_cuda = VARIANTS[name]
+        loader_lever = any(owner in (TORCH_LOADER, RING_SAMPLER) for owner, _, _ in patches)
         for with_loader, key in ((False, "step_alone_ms"), (True, "with_loader_ms")):
-            loader_lever = any(owner in (TORCH_LOADER, RING_SAMPLER) for owner, _, _ in patches)
             if (needs_cuda and device.type != "cuda") or (not with_loader and loader_lever):
                 continue
             with patched([name]):

@@ -257,7 +257,8 @@ def main(argv=None):
         pass
     trials = [("raw h5py (1 thread)", lambda: endless(raw_batches)),
               ("per-sample (the loader before), 0 workers", lambda: endless(per_sample_batches))]
-    for config in dali_configs("pytorch", "dali"):
+    configs = dali_configs("pytorch", "dali")
+    for config in configs:
         for workers in args.workers:
             params = loader_params(args.data_dir, args.batch, workers, args.height, args.width)
             params.data_loader_config = config
@@ -275,7 +276,7 @@ def main(argv=None):
                           "image": [args.height, args.width], "batch": args.batch, "nbatches": args.nbatches,
                           "warmup": args.warmup, "repeats": args.repeats, "sample_pair_mb": pair_mb, "rows": rows,
                           "worker_speedups": speedups,
-                          **({} if loader_common.dali_installed() else {"dali": NO_DALI})})
+                          **({} if "dali" in configs else {"dali": NO_DALI})})
     print(f"[bench_loader] written to {args.out}")
     return 0
 

@@ -32,6 +32,12 @@ def device_name():
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
 
 
+def ran_on(report):
+    """Where and when a report's measurements ran, in words (its `device`, `torch` and `date`): each row of a report
+    that merges several runs keeps its own."""
+    return f"{report['device']}, torch {report['torch']}, {report['date']}"
+
+
 def free_port():
     """A TCP port free on this machine now (torchrun's rendezvous)."""
     with socket.socket() as s:

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, run_stage
+from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, ran_on, run_stage
 from loaders.common import dali_installed
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
@@ -209,18 +209,13 @@ def run_row(name, tiny, data, work, bench, ran):
     return {**result, "ran": ran, **({"note": note} if note else {})}
 
 
-def stamp(report):
-    """Where and when a row ran, in words."""
-    return f"{report['device']}, torch {report['torch']}, {report['date']}"
-
-
 RUN_KEYS = ("device", "torch", "date", "steps")  # what names a levers run
 
 
 def merged(old, new):
     """`new` with the rows of `old` that `new` did not run (each keeping the stamp of the run that measured it) and
     the levers of both, each measurement the newest."""
-    rows = {name: {"ran": stamp(old), **result} for name, result in old.get("rows", {}).items()
+    rows = {name: {"ran": ran_on(old), **result} for name, result in old.get("rows", {}).items()
             if name not in new["rows"]}
     order = [name for name in ROWS if name in rows or name in new["rows"]]
     new["rows"] = {name: new["rows"].get(name) or rows[name] for name in order}
@@ -313,7 +308,7 @@ def main(argv=None):
                 if report["levers"].get("cut"):
                     raise Deadline()  # the levers kept what they measured; the session stops this part
             else:
-                report["rows"][name] = run_row(name, args.tiny, data, work, bench, stamp(report))
+                report["rows"][name] = run_row(name, args.tiny, data, work, bench, ran_on(report))
             save()
     except Deadline:
         save()

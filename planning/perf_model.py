@@ -32,6 +32,9 @@ from networks.vit import mlp_hidden
 from utils.layout import Layout
 
 SERIAL = Layout()
+# the original tutorial's q, k and v each cast the norm's output under autocast, as this repository's did until
+# 2026-11-28 (the runs measured before then: the published ones, the committed H100 profiles, mp_shape.json)
+ORIGINAL_ATTENTION_INPUT_CASTS = 3
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,8 @@ class ViTShape:
     out_channels: int
     patch_size: int
     hidden: int
-    # 16-bit copies of the first norm's output that q, k and v read: 1 here (the attention casts once); 3 in the
-    # original tutorial's code, whose q, k and v each cast it under autocast (its published runs: planning/plan.py)
+    # 16-bit copies of the first norm's output that q, k and v read: 1 here (the attention casts once);
+    # ORIGINAL_ATTENTION_INPUT_CASTS in the original tutorial's code (its published runs: planning/plan.py)
     attention_input_casts: int = 1
 
     @classmethod

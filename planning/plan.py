@@ -27,6 +27,7 @@ import torch
 from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process, gpu_system
 from planning.perf_model import (
     GIB,
+    ORIGINAL_ATTENTION_INPUT_CASTS,
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
     ViTShape,
@@ -56,7 +57,7 @@ PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "step_profiles.json")
 PROFILED = [("vit_nw8_bf16", "eager", "short", "bf16"), ("vit_nw8_bf16_fused_jit", "compiled", "short", "bf16")]
 # the committed profiles (2026-11-27) ran the attention as it was then: q, k and v each cast the norm's output
-PROFILED_ATTENTION_INPUT_CASTS = 3
+PROFILED_ATTENTION_INPUT_CASTS = ORIGINAL_ATTENTION_INPUT_CASTS
 # a measured part against the model's: (measured parts summed, what the row says)
 PARTS = {"attention": (("attention",), "attention (FlashAttention: its matmuls and softmax)"),
          "gemm": (("gemm",), "GEMMs (the linear layers)"),
@@ -181,7 +182,7 @@ def against_published(yaml_config="./config/ViT.yaml"):
     for config, gpu, layout, amp, speed, memory in PUBLISHED:
         params = YParams(yaml_config, config)
         # the original's code ran them: its q, k and v each cast the norm's output under autocast
-        shape = dataclasses.replace(ViTShape.from_params(params), attention_input_casts=3)
+        shape = dataclasses.replace(ViTShape.from_params(params), attention_input_casts=ORIGINAL_ATTENTION_INPUT_CASTS)
         prediction = predict(shape, SYSTEMS[gpu], layout, params.global_batch_size, amp)
         rows.append((config, gpu, layout, amp, prediction, speed, memory))
     return rows
