@@ -29,9 +29,11 @@ from utils import comm
 
 def cast_once_for_autocast(x):
     """`x` in autocast's dtype where autocast is on (else as it is): an input several linears read is then cast
-    once, not by each of them (q, k and v: 3.8% of the ViT's bf16 step on an H100, benchmarks/bench_levers.py)."""
+    once, not by each of them (q, k and v: 3.8% of the ViT's bf16 step on an H100, benchmarks/bench_levers.py).
+    The devices are named, not asked for (torch.amp.is_autocast_available): torch 2.5's compiler cannot trace that
+    question and broke the graph at every attention (a meta tensor, as in a dry run, has no autocast)."""
     device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
         return x.to(torch.get_autocast_dtype(device))
     return x
 

@@ -2,7 +2,9 @@
 
 Each takes the name of a process group (utils.comm: "tp", "cp", ...) and is a no-op on a group of size 1 (or an
 unknown name), so the same model code runs serially. Sequence splits may be uneven (`shapes` = sizes per rank).
-Collectives inside autograd functions break torch.compile graphs: the wrappers are marked compiler.disable.
+Collectives inside autograd functions break torch.compile graphs: where a group is active, the autograd function
+runs through `_apply`, marked compiler.disable (a deliberate break); on a group of size 1 the identity stays in the
+graph (marking the whole wrapper split a serial ViT's compiled forward in three graphs).
 """
 import torch
 import torch.distributed as dist
@@ -97,40 +99,40 @@ def _active(name):
 
 
 @torch.compiler.disable
+def _apply(function, *args):
+    """`function.apply(*args)` outside torch.compile's graph (its collectives would break the graph anyway)."""
+    return function.apply(*args)
+
+
 def copy_to_parallel_region(x, comm_name):
     """Identity forward; all-reduce of the gradient over `comm_name` backward (enter a column-parallel layer)."""
-    return _CopyToParallelRegion.apply(x, comm_name) if _active(comm_name) else x
+    return _apply(_CopyToParallelRegion, x, comm_name) if _active(comm_name) else x
 
 
-@torch.compiler.disable
 def reduce_from_parallel_region(x, comm_name):
     """All-reduce over `comm_name` forward; identity backward (leave a row-parallel layer)."""
-    return _ReduceFromParallelRegion.apply(x, comm_name) if _active(comm_name) else x
+    return _apply(_ReduceFromParallelRegion, x, comm_name) if _active(comm_name) else x
 
 
-@torch.compiler.disable
 def scatter_to_parallel_region(x, dim, comm_name):
     """Keep this rank's chunk along `dim` forward; all-gather of the gradient backward."""
-    return _ScatterToParallelRegion.apply(x, dim, comm_name) if _active(comm_name) else x
+    return _apply(_ScatterToParallelRegion, x, dim, comm_name) if _active(comm_name) else x
 
 
-@torch.compiler.disable
 def gather_from_parallel_region(x, dim, shapes, comm_name):
     """All-gather along `dim` forward (`shapes`: sizes per rank); keep this rank's gradient chunk backward."""
-    return _GatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+    return _apply(_GatherFromParallelRegion, x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
-@torch.compiler.disable
 def all_gather_from_parallel_region(x, dim, shapes, comm_name):
     """All-gather along `dim` forward; reduce-scatter (sum) of the gradient backward (keys and values over cp)."""
-    return _AllGatherFromParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+    return _apply(_AllGatherFromParallelRegion, x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
-@torch.compiler.disable
 def reduce_scatter_to_parallel_region(x, dim, shapes, comm_name):
     """Reduce-scatter (sum) along `dim` forward (`shapes`: sizes per rank); all-gather of the gradient backward
     (leave a row-parallel layer under sequence parallelism)."""
-    return _ReduceScatterToParallelRegion.apply(x, dim, shapes, comm_name) if _active(comm_name) else x
+    return _apply(_ReduceScatterToParallelRegion, x, dim, shapes, comm_name) if _active(comm_name) else x
 
 
 def _all_reduce_in_place(grads, name):
