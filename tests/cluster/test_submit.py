@@ -357,6 +357,7 @@ def tiny_args(era5_dir, expdir, *extra):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_submit_pm_trains_two_ranks_under_nsys_with_a_spaced_quoted_expdir(era5_dir, tmp_path):
     expdir = tmp_path / "dir with space and 'quote'"
     env = job_env(tmp_path, ENABLE_PROFILING="1", PROFILE_OUTPUT="tiny")
@@ -369,6 +370,7 @@ def test_submit_pm_trains_two_ranks_under_nsys_with_a_spaced_quoted_expdir(era5_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_path):
     env = job_env(tmp_path)
     result = sbatch(["-N", "2", "-n", "2", "submit_pm_dp.sh", *tiny_args(era5_dir, tmp_path / "runs")], REPO_ROOT,
@@ -381,6 +383,7 @@ def test_submit_pm_dp_trains_on_two_nodes_meeting_at_the_first(era5_dir, tmp_pat
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
     env = job_env(tmp_path)
     result = sbatch(["--ntasks-per-node", "2", "submit_pm_mp.sh",
@@ -391,6 +394,7 @@ def test_submit_pm_mp_trains_tensor_parallel_on_two_ranks(era5_dir, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_a_job_stopped_before_its_time_limit_requeues_and_its_rerun_ends_like_an_uninterrupted_run(era5_dir,
                                                                                                     tmp_path):
     """submit_pm_dp.sh, 2 gloo ranks of the tiny ViT, 100 iterations (64 an epoch), 2 loader workers a rank: the
@@ -472,6 +476,7 @@ def test_every_submit_script_ends_all_ranks_when_one_fails(script):
 
 @pytest.mark.parametrize("flag, stops_the_other", [("--kill-on-bad-exit=1", True), (None, False)])
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_the_srun_stand_in_kills_the_other_tasks_only_when_asked(tmp_path, flag, stops_the_other):
     """The stand-in the script tests run under models the flag, so those tests can fail without it: task 1 exits 3,
     task 0 would sleep for 20 s."""

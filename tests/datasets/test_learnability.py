@@ -4,6 +4,7 @@ A failure points to sample_data/era5.py (dynamics too weak or too noisy) or to t
 """
 import os
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
@@ -11,6 +12,7 @@ from sample_data.era5 import persistence_error
 from tests.conftest import REPO_ROOT
 
 
+@pytest.mark.long
 def test_brief_training_beats_persistence(era5_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     persistence = persistence_error(era5_dir, split="valid")

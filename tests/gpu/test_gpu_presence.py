@@ -28,6 +28,7 @@ def pytest_with_a_fake_gpu(keep_cuda):
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_device_choosing_tests_pass_where_torch_sees_a_gpu():
     result = pytest_with_a_fake_gpu(keep_cuda=False)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -35,6 +36,7 @@ def test_device_choosing_tests_pass_where_torch_sees_a_gpu():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_twin_with_cuda_left_visible_they_fail():
     result = pytest_with_a_fake_gpu(keep_cuda=True)
     assert result.returncode == 1, result.stdout[-3000:]

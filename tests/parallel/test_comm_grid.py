@@ -151,6 +151,7 @@ def _report_groups(rank, port, results):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_init_builds_the_groups_of_each_order():
     """4 gloo ranks, tp=2, cp=2: each rank holds, under each name, the RankGenerator group that contains it,
     knows its place in it, and an all-reduce over "tp" sums over its tp partners only (1 = 0+1 with tp-cp-dp,

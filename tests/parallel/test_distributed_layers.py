@@ -126,6 +126,7 @@ def test_tp_and_cp_on_two_ranks_match_the_serial_layers():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_tp_times_cp_on_four_ranks_matches_the_serial_layers():
     # 10 tokens over cp=4 split [3, 3, 3, 1] (uneven, gloo); tp=2 x cp=2 with an odd length; tp=4
     check(run_layouts(4, [(1, 4, 10), (2, 2, 9), (4, 1, 8)]))

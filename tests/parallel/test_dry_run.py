@@ -57,6 +57,7 @@ def dry(ranks, flags, rank, capsys):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [pytest.param(name, marks=FSDP_ON_CPU) if "fsdp" in name else name
                                   for name in LAYOUTS])
+@pytest.mark.long
 def test_the_dry_run_holds_what_a_real_rank_holds(name, tmp_path, capsys):
     ranks, flags = LAYOUTS[name]
     real = measured_by_real_ranks(tmp_path, ranks, flags)
@@ -153,6 +154,7 @@ def test_rank_1_of_tp2_in_process(capsys, monkeypatch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_rank_0_of_the_mp_shape_on_16_ranks():
     """The tutorial's `mp` ViT (embed 1024, depth 12, 4050 tokens) as rank 0 of tp4 x cp4, local batch 1, as a
     command: its state is the model's to the byte, its saved activations within 5%."""

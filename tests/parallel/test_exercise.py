@@ -28,6 +28,7 @@ def errors_on_two_ranks():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_solution_matches_the_serial_mlp_on_two_ranks(errors_on_two_ranks):
     errors = errors_on_two_ranks[SOLUTION]
     assert set(errors) == KEYS
@@ -49,6 +50,7 @@ def test_sizes_that_cannot_work_are_refused_before_spawning(nproc):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_command_line_prints_the_tutorial_lines_and_passes():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "exercises.check_tp_mlp", "--solution", "--nproc", "2"],

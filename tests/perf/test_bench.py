@@ -25,6 +25,7 @@ def test_bench_step_reports_step_peak_and_ratio(tmp_path, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_bench_train_runs_each_variant_fresh(era5_dir, tmp_path, monkeypatch, capsys):
     """Two variants on the tiny ViT: each must train (not resume the other's finished run) and be reported."""
     from benchmarks import bench_train
@@ -67,6 +68,7 @@ def test_gpu_check_says_which_gpu_tests_need_more_gpus_and_how_to_run_them(monke
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
     """The same script on the tiny configs: gpu tests (all skipped here), data, the three stage benchmarks."""
     from benchmarks import gpu_check
@@ -83,6 +85,7 @@ def test_gpu_check_runs_every_step_and_writes_one_report(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monkeypatch, capsys):
     """`python -m benchmarks.gpu_table --tiny --allow-cpu` on two rows: the baseline runs and is tabled; CUDA
     Graphs, which need a GPU, are kept with the reason; targets whose row did not run are unknown, not met."""
@@ -214,6 +217,7 @@ def test_bench_levers_times_each_variant_and_puts_every_patch_back(era5_dir, tmp
 
 
 @pytest.mark.multiprocess  # inductor compiles in worker processes
+@pytest.mark.long
 def test_bench_levers_compiles_the_step_with_the_kept_candidates(era5_dir, tmp_path, monkeypatch):
     """--compiled on the tiny ViT on the CPU: the step compiled as --enable_jit does with the kept candidate patched
     in (torch.compile called once, qkv_one_gemm in place while it traces); CUDA Graphs said not run; the patch put
@@ -328,6 +332,7 @@ def test_gpu_table_lowers_the_workers_to_what_dev_shm_holds():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_bench_dry_run_writes_each_layouts_rank_0(tmp_path):
     """`make bench-dry-run`'s command with --tiny: one row per layout, each rank 0 of 4 with its layout's tp and cp,
     the state the model predicts (to the byte) and the machine named."""

@@ -239,6 +239,7 @@ LAYOUTS = [  # grid, runs: (label, sequence parallel, checkpointing, fsdp, bf16 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_comm_bytes_per_step_are_what_the_collectives_move():
     """Every collective of a training step on gloo, counted on rank 0 by wrapping torch.distributed's calls (DDP's
     comm hook makes them for tp/cp layouts; FSDP2 calls all_gather_single / reduce_scatter_single in the pinned

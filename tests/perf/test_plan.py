@@ -216,6 +216,7 @@ def test_what_cannot_be_planned_is_one_line_and_exit_2(capsys, argv, words):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_make_plan_prints_the_json_last():
     """The command as `make plan` runs it, in its own process."""
     out = subprocess.run([sys.executable, "-m", "planning.plan", "--config", "mp", "--gpus", "4", "--plan",
@@ -242,6 +243,7 @@ WITHOUT_FSDP = ["--tensor_parallel", "1", "--context_parallel", "4"]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_measure_dry_runs_the_first_layouts_beside_the_model(capsys):
     """`--plan --measure 2` runs rank 0 of the first two layouts of the tiny ViT on 4 ranks (train_mp.py --dry_run;
     on a CPU at local batch 1; where --fsdp cannot run there, of cp=4's): each measured state is the planner's

@@ -278,6 +278,7 @@ def test_kernels_named_for_nothing_need_the_aten_operators_the_sqlite_export_lac
 COMMITTED_TABLE = Path(REPO_ROOT) / "bench_results" / "gpu" / "step_profiles.json"
 
 
+@pytest.mark.long
 def test_committed_profiles_reproduce_step_profiles_json(tmp_path, capsys):
     """`python -m benchmarks.step_profile --committed --out ... --figure ...` (its main, in this process): the
     same tables, number for number, and one figure per profile."""

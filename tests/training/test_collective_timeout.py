@@ -84,6 +84,7 @@ def errors_of(outputs):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
     """Rank 1 stalls 8 s mid-epoch; with --collective_timeout 3 rank 0's collective gives up after 3 s: every rank
     exits non-zero, the console has one line, naming the flag, and no traceback."""
@@ -98,6 +99,7 @@ def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_twin_a_longer_timeout_lets_the_same_stall_pass(era5, tmp_path):
     """The check above can fail: the same 8 s stall under --collective_timeout 30 trains to the end on both ranks
     (so the 3 s above, not the stall, ended that job)."""
@@ -106,6 +108,7 @@ def test_twin_a_longer_timeout_lets_the_same_stall_pass(era5, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_the_others_wait_for_a_slow_checkpoint_write_without_a_collective(era5, tmp_path):
     """Rank 0 takes 16 s to write its first checkpoint, twice --collective_timeout 8: rank 1 waits for it in the
     rendezvous store, and the job trains to the end and writes its checkpoints. (8 s, not 3 as above: the
@@ -116,6 +119,7 @@ def test_the_others_wait_for_a_slow_checkpoint_write_without_a_collective(era5, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_twin_waiting_in_a_collective_the_slow_write_ends_the_job(era5, tmp_path):
     """The check above can fail: with the old wait (rank 1 in a collective broadcast) the same slow write makes rank
     1's broadcast time out and the job stops."""

@@ -133,6 +133,7 @@ def skip_without_a_pool():
 
 
 @pytest.mark.compat  # also on the container's torch 2.5
+@pytest.mark.long
 def test_compile_workers_and_the_resource_tracker_live_through_every_stop_signal_and_compile_on(tmp_path,
                                                                                              inductor_cache):
     """Started protected, the resource tracker, the compile pool's sidecar and its 2 workers live through SIGINT,
@@ -151,6 +152,7 @@ def test_compile_workers_and_the_resource_tracker_live_through_every_stop_signal
 
 
 @pytest.mark.compat
+@pytest.mark.long
 def test_without_the_protection_slurms_warning_kills_the_compile_workers_and_the_resource_tracker(tmp_path,
                                                                                                 inductor_cache):
     """Twin: started as torch (at the first compile) and the loaders (the tracker) started them, every one of them

@@ -69,7 +69,7 @@ def job(era5, tmp_path, ranks, mode, switched_off=False, timeout=120):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_one_ranks_error_ends_the_job_in_seconds_with_its_line_last(era5, tmp_path, ranks):
     """Rank 1 of 2 (of 4) cannot read a sample mid-epoch: every process exits non-zero within 15 s of it, the
     console has rank 1's line once and no other line or traceback. Before, the others waited in their next
@@ -92,6 +92,7 @@ def test_twin_without_the_handling_the_other_ranks_end_in_tracebacks(era5, tmp_p
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_a_rank_killed_without_a_word_is_named_with_the_checkpoint_to_resume_from(era5, tmp_path):
     """Rank 1 is SIGKILLed mid-run (no line of its own): rank 0 says, in one line, that rank 1 stopped answering and
     which checkpoint a restart resumes from (the last one written), and exits with code 2."""

@@ -95,7 +95,9 @@ def final_weights(run_dir):
 
 @needs_x86_64
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [pytest.param("vit", marks=vit_weights_as_recorded), "unet", "resnet"])
+@pytest.mark.parametrize("stage", [pytest.param("vit", marks=vit_weights_as_recorded),
+                                   pytest.param("unet", marks=pytest.mark.long),
+                                   pytest.param("resnet", marks=pytest.mark.long)])
 def test_train_reproduces_each_stages_recorded_points_and_weights(stage, stage_data, tmp_path):
     """Every TensorBoard point and the final weights of each stage's `tiny` run, against the values recorded with the
     original single-file train.py (recorded_runs.json). Both runs pin the kernels (pinned_run.py),

@@ -495,6 +495,7 @@ def test_error_raised_in_a_loader_worker_is_still_one_line():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_torch_distributed_launch_command_runs(small_era5, tmp_path):
     """The SC20/ImageNet-DDP tutorials' launcher passes --local-rank=0 to the script."""
     result = run_command(["-m", "torch.distributed.launch", "--nproc_per_node=1", "--master_port", str(free_port()),
@@ -522,6 +523,7 @@ def test_profiler_window_spans_an_nvtx_range_named_profile(monkeypatch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_run(era5_dir, tmp_path):
     """torchrun --max-restarts 1, one rank SIGKILLed after the first checkpoint: the restarted ranks resume from
     it by themselves, and the final weights equal those of a run nobody killed."""

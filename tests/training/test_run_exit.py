@@ -64,6 +64,7 @@ def test_a_gloo_worker_that_finishes_its_work_during_the_teardown_does_not_hang_
 
 
 @pytest.mark.compat
+@pytest.mark.long
 def test_the_exit_stress_loop_runs_the_4_rank_cycle_and_counts_no_hang(tmp_path):
     """The stress loop (`make stress-exit` runs 30 cycles of each and 300 teardowns) on a short leash: one 4-rank
     start-to-exit cycle of train_mp.py at tp=2 x cp=2 (--sequence_parallel --activation_checkpointing

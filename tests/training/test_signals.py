@@ -73,6 +73,7 @@ def stopped_at(output, name):
 
 
 @pytest.mark.compat  # also on the container's torch 2.5
+@pytest.mark.long
 def test_sigterm_checkpoints_exits_75_and_the_restarted_run_equals_an_uninterrupted_one(era5_dir, tmp_path):
     argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "400", "--checkpoint_interval",
             "0"]
@@ -115,6 +116,7 @@ def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_di
 
 
 @pytest.mark.compat  # also on the container's torch 2.5
+@pytest.mark.long
 def test_under_torchrun_at_tp2_both_ranks_stop_after_the_same_step_and_resume_exactly(era5_dir, tmp_path):
     argv = ["train_mp.py", "--config", "tiny", "--tensor_parallel", "2", "--data_dir", era5_dir, "--num_iters", "96",
             "--checkpoint_interval", "0"]
@@ -214,6 +216,7 @@ def wait_until(process, log_path, condition, what):
         time.sleep(0.01)
 
 
+@pytest.mark.long
 def test_sigterm_to_every_process_with_loader_workers_checkpoints_exits_75_and_resumes_exactly(era5_dir, tmp_path):
     """What scancel, a preemption and the time limit do: SIGTERM to the main process and its two loader workers at
     once. The workers live on (their rank decides), the run stops with a checkpoint and exit 75, and the run started
@@ -239,6 +242,7 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_exits_75_and_r
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT])
+@pytest.mark.long
 def test_slurms_warning_and_ctrl_c_to_every_process_with_loader_workers_stop_with_a_checkpoint(era5_dir, tmp_path,
                                                                                              signum):
     """SIGUSR1 (`--signal=USR1@180`, `scancel -s USR1`) and Ctrl-C in a terminal (the whole foreground group) reach
@@ -258,6 +262,7 @@ def test_slurms_warning_and_ctrl_c_to_every_process_with_loader_workers_stop_wit
 
 
 @pytest.mark.compat  # also on the container's torch 2.5
+@pytest.mark.long
 def test_sigterm_to_torchrun_its_ranks_and_their_workers_stops_every_rank_with_a_checkpoint(era5_dir, tmp_path):
     """torchrun with DDP, one loader worker per rank, and SIGTERM to all five processes (srun signals every rank's
     processes the same way): both ranks stop after the same step, with a checkpoint, and exit 75."""
@@ -314,6 +319,7 @@ def test_without_the_first_line_a_signal_during_the_imports_kills_the_run_silent
     assert process.wait(timeout=120) == -signal.SIGUSR1
 
 
+@pytest.mark.long
 def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
     """Two SIGINTs: the second, before the stop's checkpoint is written (the run held there, as a slow write would),
     stops at once (KeyboardInterrupt, SIGINT's status), said in one line. (After the checkpoint it is ignored:
@@ -330,6 +336,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
     assert "Traceback" not in output and output.count(INTERRUPTED) == 1, output[-3000:]
 
 
+@pytest.mark.long
 def test_a_mistake_every_rank_finds_is_printed_once(era5_dir, tmp_path):
     """Two ranks find the same bad flag value: rank 0 alone prints it, and both exit non-zero (torchrun reports the
     failed ranks). Before, each rank printed it (N ranks, N lines)."""
@@ -381,6 +388,7 @@ def ranks_of(marker):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("switched_off", [False, True])
+@pytest.mark.long
 def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, tmp_path, switched_off):
     """Slurm's warning signal to a step run by torchrun: torchrun does not forward SIGUSR1 and dies of it, while its
     two ranks, each in a session of its own, never hear of it. Each rank notices its launcher is gone at the next
@@ -482,6 +490,7 @@ def start_late(tmp_path, era5_dir, hold, iters, ending_off=False, thread_off=Fal
 
 
 @pytest.mark.parametrize("switched_off", [False, True])
+@pytest.mark.long
 def test_a_signal_after_a_finished_run_s_last_line_ends_it_at_once_with_0_and_one_line(era5_dir, tmp_path,
                                                                                         switched_off):
     """SIGTERM while a finished run ends (after DONE, its cleanups done, the interpreter ending: held here for up
@@ -503,6 +512,7 @@ def test_a_signal_after_a_finished_run_s_last_line_ends_it_at_once_with_0_and_on
 
 
 @pytest.mark.parametrize("switched_off", [False, True])
+@pytest.mark.long
 def test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exits_75(era5_dir, tmp_path,
                                                                                      switched_off):
     """Ctrl-C stops a run with a checkpoint; a second Ctrl-C after that checkpoint (the run held before its last
@@ -517,6 +527,7 @@ def test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exit
     assert "Checkpoint of iteration" in log_path.read_text()
     process.send_signal(signal.SIGINT)
     if switched_off:
+        open(go + "exit", "w").close()  # the interrupted process still runs its atexit hold: let it pass
         code = process.wait(timeout=120)
         output = log_path.read_text()
         assert code == -signal.SIGINT and output.count(signals.INTERRUPTED) == 1, (code, output[-3000:])
@@ -536,6 +547,7 @@ def test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exit
 
 @pytest.mark.compat  # on the container's torch 2.5 the teardown is where a finished run waited
 @pytest.mark.parametrize("switched_off", [False, True])
+@pytest.mark.long
 def test_a_signal_while_the_main_thread_waits_in_the_teardown_ends_the_run_at_once(era5_dir, tmp_path, switched_off):
     """After DONE the main thread waits in C without the GIL (held here for good, as a process group's teardown
     could), where a Python handler never runs: the signal still ends the process at once, with 0 and the one line

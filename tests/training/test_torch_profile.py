@@ -129,6 +129,7 @@ def check_trace(path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_train_writes_the_window_as_a_gzipped_trace_and_nothing_without_the_flag(era5_dir, tmp_path):
     traces = tmp_path / "traces"
     train.main(tiny_run(era5_dir, tmp_path / "runs", "--torch_profile", str(traces / "t.json.gz")))
@@ -142,6 +143,7 @@ def test_train_writes_the_window_as_a_gzipped_trace_and_nothing_without_the_flag
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_two_ranks_under_torchrun_write_one_trace_each(era5_dir, tmp_path):
     traces = tmp_path / "traces"
     result = run_command(["train.py", *tiny_run(era5_dir, tmp_path / "runs", "--torch_profile",

@@ -143,6 +143,7 @@ def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_enable_jit_compiles_a_tiny_model(era5_dir, tmp_path):
     from torch._dynamo.utils import counters
     counters.clear()

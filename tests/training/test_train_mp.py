@@ -80,7 +80,8 @@ def assert_same_run(got, expected, after_step=-1):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("nproc, tp, cp, flags", [  # tp2 alone: resumed from train.py below; sp: also in tp2_cp2
-    (2, 1, 2, ()), (4, 2, 1, ()), pytest.param(4, 2, 1, ("--fsdp", "--sequence_parallel"), marks=FSDP_ON_CPU)],
+    (2, 1, 2, ()), pytest.param(4, 2, 1, (), marks=pytest.mark.long),
+    pytest.param(4, 2, 1, ("--fsdp", "--sequence_parallel"), marks=[FSDP_ON_CPU, pytest.mark.long])],
     ids=["cp2", "tp2xdp2", "tp2xdp2-fsdp-sequence-parallel"])
 @pytest.mark.multiprocess
 def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial, nproc, tp, cp, flags):
@@ -95,6 +96,7 @@ def test_model_parallel_run_reproduces_the_serial_run(era5_dir, tmp_path, serial
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_tp2_x_cp2_with_the_memory_flags_reproduces_the_serial_run_across_a_restart(tp2_cp2, serial):
     assert_same_run(tp2_cp2[0], serial)
     assert "Resumed from" in tp2_cp2[1]
@@ -102,6 +104,7 @@ def test_tp2_x_cp2_with_the_memory_flags_reproduces_the_serial_run_across_a_rest
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_flops_per_sample_are_the_serial_models_at_tp2_x_cp2(tp2_cp2):
     """MFU counts the model's FLOPs: train_mp.py at tp=2 x cp=2 logs those of the serial ViT (each rank does about a
     quarter of them), counted without a collective: torch 2.5 has no meta kernel for them and stopped here."""
@@ -139,6 +142,7 @@ def assert_the_start_up_line_is_the_performance_models(log, layout):
 
 @pytest.mark.compat
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_the_start_up_line_is_the_performance_models_memory_at_tp2_x_cp2(tp2_cp2):
     from utils.layout import Layout
     assert_the_start_up_line_is_the_performance_models(
@@ -146,6 +150,7 @@ def test_the_start_up_line_is_the_performance_models_memory_at_tp2_x_cp2(tp2_cp2
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2_cp2):
     """Weights and Adam's moments gathered to the serial layout: train.py continues the run exactly. The checkpoint
     records the layout that wrote it (the log says so when another resumes it); train.py's own is the serial one."""
@@ -163,6 +168,7 @@ def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_train_mp_resumes_a_train_py_checkpoint_at_tp2(era5_dir, tmp_path, serial):
     serial_dir = tmp_path / "serial"
     train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(serial_dir), "--num_iters", ITERS,
@@ -236,6 +242,7 @@ def _load_and_train(rank, world, port, checkpoints, results):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, serial, tp2_cp2):
     """A train.py checkpoint and a tp=2 x cp=2 checkpoint, each loaded serially and at tp=2 x cp=2, give the
     same loss on the same batch; after training steps at tp=2 x cp=2 the shared copies are bitwise equal."""
@@ -267,6 +274,7 @@ def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_without_the_tp_gradient_sum_the_sequence_parallel_run_drifts(era5_dir, tmp_path, serial):
     """Without DDP's hook (--noddp) no gradient is summed over tp; at tp=2 alone that changes nothing (every rank
     sees all tokens). With --sequence_parallel the norms' and the row-parallel biases' gradients each cover half the
@@ -281,6 +289,7 @@ def test_without_the_tp_gradient_sum_the_sequence_parallel_run_drifts(era5_dir, 
 @pytest.mark.compat
 @pytest.mark.multiprocess
 @FSDP_ON_CPU
+@pytest.mark.long
 def test_fsdp_at_cp2_x_dp2_takes_over_a_ddp_checkpoint_and_train_py_takes_over_its_own(era5_dir, tmp_path, serial,
                                                                                      tp2_cp2):
     """--fsdp with checkpointing at cp=2 x dp=2 resumes the tp=2 x cp=2 DDP run's checkpoint of iteration 10 (each
@@ -308,6 +317,7 @@ def _train_without_the_shard_sums(rank, world, port, argv):
 
 @pytest.mark.multiprocess
 @FSDP_ON_CPU
+@pytest.mark.long
 def test_without_the_sums_on_the_gradient_shards_the_fsdp_run_drifts(era5_dir, tmp_path, serial):
     """FSDP reduces the gradients over dp only: at cp=2 (dp=1, so each shard is the whole tensor) without the sums of
     the cp-shared gradients before the step (parallelize.sum_marked_gradient_shards switched off) each covers half

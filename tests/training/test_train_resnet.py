@@ -54,6 +54,7 @@ def test_original_configs_keep_their_meaning(name):
 
 
 @pytest.mark.compat
+@pytest.mark.long
 def test_cpu_run_learns_logs_accuracy_and_stops_at_desired_acc(cifar_dir, tmp_path):
     """tiny, ResNet18 on 5000 images of 100 classes, 156 steps per epoch: after one epoch the validation
     top-1 is far above chance (1%), so --desired_acc 0.05 stops the 3-epoch run there."""
@@ -74,6 +75,7 @@ def test_cpu_run_learns_logs_accuracy_and_stops_at_desired_acc(cifar_dir, tmp_pa
 
 
 @pytest.mark.compat
+@pytest.mark.long
 def test_channels_last_bf16_and_dataparallel_run_on_cpu(cifar_dir, tmp_path):
     run_dir, _, log = run_resnet(cifar_dir, tmp_path, "--num_iters", "3", "--amp_mode", "bf16", "--enable_nhwc",
                                  "--enable_fused", "--parallel", "dp")
@@ -111,6 +113,7 @@ def ddp_weights(cifar_dir, tmp_path, nproc, *flags):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_two_ranks_match_one_process(cifar_dir, tmp_path):
     one = ddp_weights(cifar_dir, tmp_path / "one", 1)
     two = ddp_weights(cifar_dir, tmp_path / "two", 2)

@@ -163,6 +163,7 @@ def test_benchmark_mode_unet(cosmo_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_benchmark_mode_vit_on_two_ranks(era5_dir, tmp_path, monkeypatch):
     out = tmp_path / "vit_bench"
     monkeypatch.setenv("BENCHY_OUTPUT", str(out))
