@@ -68,7 +68,7 @@ $(COMPAT_VENV)/.installed: requirements.txt
 test-compat: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and not long" tests
 
-# the long runs of that subset on torch 2.5 (4 minutes more); with them `.ci/run` would pass its 25 minutes
+# the long runs of that subset on torch 2.5 (about 9 minutes); with them `.ci/run` would run over its 25 minutes
 test-compat-long: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and long" tests
 
