@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-cache-dir -r requirements.txt
 	touch $@
 
 $(DATA_DIR)/stats/global_stds.npy: | $(VENV)/.installed
