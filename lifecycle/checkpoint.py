@@ -1,7 +1,8 @@
 """Checkpoints written atomically: a kill or a full disk at any moment leaves the previous checkpoint intact.
 
 A run directory keeps two: checkpoints/ckpt.pt and the one before it, ckpt_previous.pt. When the newest is damaged
-(a write cut short by a failing file system, a zeroed file) the run resumes from the previous one and says so.
+(a write cut short by a failing file system, a zeroed file) the run resumes from the previous one, says so, and
+moves the damaged file aside (ckpt.pt.damaged), so that the next save keeps the good one as the previous.
 Every rank resumes from the same file, or the job stops (load_on_every_rank): rank 0 chooses, the others follow.
 """
 import logging
@@ -27,6 +28,11 @@ def previous_path(path):
     """Where the checkpoint before `path` is kept: ckpt.pt -> ckpt_previous.pt."""
     root, ext = os.path.splitext(path)
     return f"{root}_previous{ext}"
+
+
+def damaged_path(path):
+    """Where a damaged newest checkpoint is moved on resuming from the one before: ckpt.pt -> ckpt.pt.damaged."""
+    return f"{path}.damaged"
 
 
 def save_checkpoint(path, state):
@@ -70,7 +76,8 @@ def load_checkpoint(path):
 
 def load_newest_checkpoint(path):
     """(checkpoint, the file it came from): `path`, or the previous checkpoint when `path` is damaged or missing
-    (a crash between the two renames of save_checkpoint), saying so on rank 0."""
+    (a crash between the two renames of save_checkpoint), saying so on rank 0. A damaged `path` is moved to
+    damaged_path(path): saved over, it would become the previous checkpoint, and the good one would be lost."""
     previous = previous_path(path)
     if not os.path.isfile(path):
         why = f"checkpoint '{path}' is missing"
@@ -87,9 +94,18 @@ def load_newest_checkpoint(path):
     except DamagedCheckpoint:
         raise UserError(f"{why}, and the previous one, '{previous}', is damaged or incomplete too; start a new "
                         "--run_num (or --expdir) to train from the beginning") from None
+    aside = ""
+    if os.path.isfile(path):  # damaged: moved aside, else the next save would make it the previous checkpoint
+        try:
+            os.replace(path, damaged_path(path))
+        except OSError as err:
+            raise UserError(f"{why}; it could not be moved aside to '{damaged_path(path)}' ({err.strerror}), and "
+                            "the next checkpoint would push the good previous one out: move it away by hand, then "
+                            "start again to resume from the previous one") from None
+        aside = f"; the damaged file is kept as '{damaged_path(path)}'"
     if comm.get_world_rank() == 0:
         logging.warning(f"{why}; resuming from the previous checkpoint '{previous}' (iteration "
-                        f"{checkpoint.get('iteration', '?') if isinstance(checkpoint, dict) else '?'})")
+                        f"{checkpoint.get('iteration', '?') if isinstance(checkpoint, dict) else '?'}){aside}")
     return checkpoint, previous
 
 

@@ -23,6 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 import lifecycle.checkpoint
 import loop.flops
 import train
+from lifecycle.checkpoint import DamagedCheckpoint, load_checkpoint
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
 from utils.errors import UserError
@@ -427,6 +428,33 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "16"),
                r"it is damaged, incomplete .*, and the previous one, '.*ckpt_previous\.pt', is damaged or incomplete "
                r"too; start a new --run_num")
+
+
+@pytest.mark.parametrize("moved_aside", [True, False])
+def test_after_falling_back_the_next_save_keeps_the_good_checkpoint_as_the_previous(small_era5, tmp_path, capsys,
+                                                                                    monkeypatch, moved_aside):
+    """Resumed from ckpt_previous.pt because ckpt.pt was damaged, the run's next save must not rotate the damaged
+    file into ckpt_previous.pt (two copies, one damaged: a kill in the next save would lose the run). The damaged
+    file is moved to ckpt.pt.damaged; the twin, with the move switched off, ends with a damaged previous one."""
+    train.main(tiny(small_era5, tmp_path, "--num_iters", "12", "--checkpoint_interval", "4", "--stop_at_iter", "8"))
+    folder = os.path.join(run_dir_of(tmp_path), "checkpoints")
+    newest, previous = os.path.join(folder, "ckpt.pt"), os.path.join(folder, "ckpt_previous.pt")
+    with open(newest, "r+b") as f:  # a write cut short
+        f.truncate(os.path.getsize(newest) // 2)
+    if not moved_aside:
+        monkeypatch.setattr(lifecycle.checkpoint, "damaged_path", lambda path: path)  # os.replace onto itself: no move
+    capsys.readouterr()
+    train.main(tiny(small_era5, tmp_path, "--num_iters", "12", "--checkpoint_interval", "4", "--stop_at_iter", "6"))
+    err = capsys.readouterr().err
+    assert torch.load(newest, weights_only=False)["iteration"] == 6
+    if moved_aside:
+        assert re.search(r"resuming from the previous checkpoint '.*ckpt_previous\.pt' \(iteration 4\); the damaged "
+                         r"file is kept as '.*ckpt\.pt\.damaged'", err), err
+        assert load_checkpoint(previous)["iteration"] == 4
+        assert os.path.getsize(newest + ".damaged") < os.path.getsize(previous)
+    else:
+        with pytest.raises(DamagedCheckpoint):
+            load_checkpoint(previous)
 
 
 def test_a_torch_file_not_written_by_train_py_is_named_as_such(small_era5, tmp_path, capsys):
