@@ -4,7 +4,8 @@
 # environment and leaves two arrays for the script's own srun line, and one function for after it:
 #   command       python $TRAINING_SCRIPT <the sbatch arguments>, wrapped in nsys when ENABLE_PROFILING=1
 #   shifter_args  the /data and /logs mounts, PYTHONUSERBASE=$LOGDIR, and --image=$IMAGE when IMAGE is set
-#   requeue_or_exit STATUS   ends the job with srun's status; on 75 it first requeues the job (docs/cluster.md)
+#   requeue_or_exit STATUS   ends the job with srun's status; on 75 (or $REQUEUE_MARKER made by the ranks) it first
+#                            requeues the job (docs/cluster.md)
 # Usage: source submit_common.sh "$@"
 
 case "$TRAINING_SCRIPT" in
@@ -72,6 +73,12 @@ if [ -n "${IMAGE:-}" ]; then
     shifter_args=(--image="$IMAGE" "${shifter_args[@]}")
 fi
 
+# Every rank that stops with a checkpoint creates this file before it exits 75 (lifecycle/signals.py): with
+# --kill-on-bad-exit Slurm kills the ranks still ending after the first one's exit, so srun's status may be theirs
+# (137) rather than 75. In the submission directory, where the container runs too.
+export REQUEUE_MARKER=$PWD/.requeue-${SLURM_JOB_ID:-job}
+rm -f "$REQUEUE_MARKER"
+
 # Slurm's own SIGTERM (scancel, a preemption, the time limit itself) reaches this shell as well as the ranks. Untrapped,
 # bash would die at once, srun's status unread; trapped, bash runs the trap once srun has returned. (Not
 # `trap '' TERM`: an ignored signal stays ignored in every child, the ranks included.)
@@ -85,6 +92,14 @@ trap 'ended_by_slurm=SIGTERM' TERM
 requeue_or_exit() {
     { set +x; } 2>/dev/null  # the submit scripts trace their srun line; this says what it does in words
     local status=$1
+    if [ -e "$REQUEUE_MARKER" ]; then
+        rm -f "$REQUEUE_MARKER"
+        if [ "$status" != 0 ] && [ "$status" != 75 ]; then
+            echo "srun's status is $status, but the ranks stopped with a checkpoint (exit 75; Slurm killed the ranks" \
+                 "still ending after the first, --kill-on-bad-exit): taken as 75"
+            status=75
+        fi
+    fi
     if [ "$status" = 75 ] && [ -n "${ended_by_slurm:-}" ]; then
         echo "stopped by a signal with a checkpoint, but Slurm is ending job $SLURM_JOB_ID ($ended_by_slurm to the" \
              "batch script: scancel, preemption or the time limit): not requeued; the same sbatch command resumes"

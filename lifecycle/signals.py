@@ -206,8 +206,27 @@ def ending(code, at_once=True):
     if _state.get("script") != os.getpid() or _state["pid"] != os.getpid():
         return
     _state["ending"] = {"code": code, "at_once": at_once}
+    if code == EXIT_CODE:
+        _mark_for_requeue()
     if at_once:
         _exit_on_a_signal_in_any_thread()
+
+
+def _mark_for_requeue():
+    """Before a rank exits EXIT_CODE it creates the file the submit scripts name in $REQUEUE_MARKER. With `srun
+    --kill-on-bad-exit=1` the first rank to exit 75 makes Slurm kill the ranks still ending, and srun's status is
+    then theirs (137), not 75: the file tells requeue_or_exit (submit_common.sh) that the job stopped to be resumed.
+    Every such rank creates it (any one may exit first); an empty file, made once per process."""
+    path = os.environ.get("REQUEUE_MARKER")
+    if not path or _state.get("marked"):
+        return
+    _state["marked"] = True
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        logging.warning(f"could not create '{path}' ({err.strerror}): the submit script requeues this job only if "
+                        f"srun's status is {EXIT_CODE}")
 
 
 def _ends_at_once():

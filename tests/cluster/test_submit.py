@@ -33,9 +33,10 @@ TRAINING_SCRIPTS = ("train.py", "train_graph.py", "train_mp.py", "train_mp_graph
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINING_SCRIPT", "IMAGE",
                     "ENABLE_PROFILING", "PROFILE_OUTPUT", "BENCHY_OUTPUT", "CUDA_VISIBLE_DEVICES")
 # a stand-in training script: records its arguments and the launch variables; STUB_FAIL_RANK=N makes rank N exit 3,
-# STUB_EXIT=N every rank exit N. STUB_WAIT_FOR_SIGNAL=1: as the training scripts do on SIGTERM/SIGINT/SIGUSR1, it
-# exits 75 once signalled (recording which signal); rank 0 writes "all ranks ready" to STUB_OUT/ready.log once every
-# rank's handlers are in place, a text FAKE_SLURM_SIGNAL_WHEN can wait for
+# STUB_EXIT=N every rank exit N; before exiting 75 it creates $REQUEUE_MARKER (STUB_NO_MARKER=1: not);
+# STUB_LINGER_RANK=N: rank N takes 10 s more to exit. STUB_WAIT_FOR_SIGNAL=1: as the training scripts do on
+# SIGTERM/SIGINT/SIGUSR1, it exits 75 once signalled (recording which signal); rank 0 writes "all ranks ready" to
+# STUB_OUT/ready.log once every rank's handlers are in place, a text FAKE_SLURM_SIGNAL_WHEN can wait for
 STUB = """import json, os, signal, sys, time
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
          "HDF5_USE_FILE_LOCKING", "FI_MR_CACHE_MONITOR", "NSYS_NVTX_PROFILER_REGISTER_ONLY", "PYTHONUSERBASE")
@@ -57,9 +58,12 @@ if os.environ.get("STUB_WAIT_FOR_SIGNAL"):
 with open(os.path.join(out_dir, "rank" + rank + ".json"), "w") as out:
     json.dump({"script": os.path.basename(__file__), "argv": sys.argv[1:], "signals": received,
                "env": {name: os.environ.get(name) for name in names}}, out)
-if received:
-    sys.exit(75)
-sys.exit(3 if os.environ.get("STUB_FAIL_RANK") == rank else int(os.environ.get("STUB_EXIT", "0")))
+status = 75 if received else 3 if os.environ.get("STUB_FAIL_RANK") == rank else int(os.environ.get("STUB_EXIT", "0"))
+if status == 75 and not os.environ.get("STUB_NO_MARKER"):  # as the training scripts do (lifecycle/signals.py)
+    open(os.environ["REQUEUE_MARKER"], "a").close()
+if os.environ.get("STUB_LINGER_RANK") == rank:  # still ending when another rank exits
+    time.sleep(10)
+sys.exit(status)
 """
 # arguments a re-parsing launcher would mangle
 AWKWARD_ARGS = ["--config=short", "--expdir", "/tmp/dir with  two spaces", "it's", 'say "hi"', "$HOME", "*", "",
@@ -195,7 +199,8 @@ def test_image_variable_reaches_shifter_and_a_failing_rank_fails_the_job(checkou
     env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), IMAGE="docker:someone/dl-at-scale:24.08",
                   STUB_FAIL_RANK="1")
     result = sbatch(["-n", "2", "submit_pm.sh"], checkout, env)
-    assert result.returncode == 3, result.stderr[-2000:]  # rank 1's status, through bash -c, shifter and srun
+    # rank 1's status, through bash -c, shifter and srun; 137 where srun killed rank 0 before it ended
+    assert result.returncode in (3, 137), result.stderr[-2000:]
     assert record(tmp_path, "shifter", 0)[0] == "--image=docker:someone/dl-at-scale:24.08"
 
 
@@ -238,21 +243,29 @@ def test_the_time_limit_warning_reaches_every_rank_and_a_stop_with_checkpoint_re
     assert requeues(tmp_path) == []
 
 
-@pytest.mark.parametrize("variables, status", [
-    ({}, 0),                      # finished
-    ({"STUB_EXIT": "2"}, 2),      # a user error line on every rank
-    ({"STUB_FAIL_RANK": "1"}, 3),  # one rank failed (the other is stopped)
-    ({"STUB_EXIT": "75"}, 75),    # stopped with a checkpoint (the twin: the only status that requeues)
+@pytest.mark.parametrize("variables, statuses", [
+    ({}, {0}),                        # finished
+    ({"STUB_EXIT": "2"}, {2, 137}),   # a user error line on every rank (137: srun killed the later one)
+    ({"STUB_FAIL_RANK": "1"}, {3, 137}),  # one rank failed (the other is killed)
+    ({"STUB_EXIT": "75"}, {75}),      # stopped with a checkpoint (the twin: the only status that requeues)
+    # rank 0 still ending when rank 1 exits 75: srun kills it and says 137; the ranks' file makes it 75
+    ({"STUB_EXIT": "75", "STUB_LINGER_RANK": "0"}, {75}),
+    ({"STUB_EXIT": "75", "STUB_LINGER_RANK": "0", "STUB_NO_MARKER": "1"}, {137}),  # the twin: no file, no requeue
 ])
 @pytest.mark.multiprocess
-def test_only_a_stop_with_checkpoint_requeues_the_job_and_every_status_is_kept(variables, status, checkout,
+def test_only_a_stop_with_checkpoint_requeues_the_job_and_every_status_is_kept(variables, statuses, checkout,
                                                                                 tmp_path):
-    """A whole job of stand-in ranks: finished, a user error and a failure end with their status, not requeued."""
+    """A whole job of stand-in ranks: finished, a user error and a failure end with their status, not requeued; a
+    stop with a checkpoint requeues the job even where srun's status is a killed rank's."""
     env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), **variables)
     result = sbatch(["-n", "2", "submit_pm_dp.sh"], checkout, env)
-    assert result.returncode == status, result.stderr[-2000:]
-    assert requeues(tmp_path) == ([f"requeue {job_id(result)}"] if status == 75 else [])
-    assert ("requeueing job" in result.stdout) == (status == 75)
+    assert result.returncode in statuses, result.stderr[-2000:]
+    requeued = statuses == {75}
+    assert requeues(tmp_path) == ([f"requeue {job_id(result)}"] if requeued else [])
+    assert ("requeueing job" in result.stdout) == requeued
+    assert ("srun's status is 137, but the ranks stopped with a checkpoint" in result.stdout) == (
+        "STUB_LINGER_RANK" in variables and requeued)
+    assert not list(checkout.glob(".requeue-*"))  # the file is gone with the job
 
 
 # the batch script's end, run without srun: submit_common.sh sourced, then a stand-in for the srun line ($STEP, in
@@ -286,6 +299,41 @@ def test_requeue_or_exit_requeues_on_75_only_and_keeps_the_status(step, requeuea
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
     if requeueable is None:
         assert result.stderr.strip() == "Requested operation is presently disabled for job 4242"
+
+
+@pytest.mark.parametrize("step, status, lines", [
+    ('touch "$REQUEUE_MARKER"; exit 137', 75, [
+        "srun's status is 137, but the ranks stopped with a checkpoint (exit 75; Slurm killed the ranks still ending "
+        "after the first, --kill-on-bad-exit): taken as 75",
+        "stopped by a signal with a checkpoint; requeueing job 4242 to resume"]),
+    ("exit 137", 137, []),  # the twin: without the ranks' file a killed rank's status is a failure
+    ('touch "$REQUEUE_MARKER"; exit 0', 0, []),  # every rank ended before srun killed any: nothing to change
+])
+@pytest.mark.multiprocess
+def test_the_ranks_file_turns_a_killed_ranks_status_into_a_requeue(step, status, lines, checkout, tmp_path):
+    """With --kill-on-bad-exit the first rank to exit 75 makes Slurm kill the others while they end, and srun says
+    137; the file every stopping rank creates ($REQUEUE_MARKER, in the submission directory) makes it a requeue."""
+    env = job_env(tmp_path, STEP=step, TRAINING_SCRIPT="train.py", SLURM_JOB_ID="4242",
+                  SLURM_JOB_NODELIST="localhost", FAKE_SLURM_REQUEUE="1")
+    (checkout / ".requeue-4242").write_text("")  # a previous attempt's, left by a killed batch shell: removed first
+    result = subprocess.run(["bash", "-c", AFTER_SRUN], cwd=checkout, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == status, result.stderr
+    assert result.stdout.splitlines() == lines
+    assert requeues(tmp_path) == (["requeue 4242"] if status == 75 else [])
+    assert not (checkout / ".requeue-4242").exists()
+
+
+@pytest.mark.parametrize("code, made", [(75, True), (0, False)])
+def test_a_rank_that_stops_with_a_checkpoint_creates_the_requeue_file(code, made, tmp_path, monkeypatch):
+    """The training scripts' side (lifecycle/signals.py): ending with exit code 75 creates $REQUEUE_MARKER before
+    the rank exits; the twin: a run that finished (0) creates nothing."""
+    from lifecycle import signals
+    marker = tmp_path / ".requeue-4242"
+    monkeypatch.setenv("REQUEUE_MARKER", str(marker))
+    monkeypatch.setattr(signals, "_state", dict(signals._state, script=os.getpid(), pid=os.getpid(), marked=False))
+    signals.ending(code, at_once=False)
+    assert marker.exists() == made
 
 
 @pytest.mark.multiprocess
@@ -490,4 +538,5 @@ def test_the_srun_stand_in_kills_the_other_tasks_only_when_asked(tmp_path, flag,
         ended = True
     except subprocess.TimeoutExpired:
         ended = False
-    assert ended == stops_the_other and (not ended or result.returncode == 3), time.time() - start
+    # srun's status: the highest, task 0 killed (128 + SIGKILL) above task 1's 3
+    assert ended == stops_the_other and (not ended or result.returncode == 137), time.time() - start
