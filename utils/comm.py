@@ -39,6 +39,7 @@ _host = {}  # "group": every rank over gloo (CPU tensors), for flags the host re
 # "timeout": --collective_timeout (seconds); "posts": how many objects rank 0 has posted in the store
 LOST_PEER_CENSUS_S = 1.0  # how long the ranks that lost a peer wait for each other's note before naming the lost
 LOST_PEER_LINGER_S = 3.0  # how long rank 0 keeps the store up for the others' questions after a failure
+USER_ERROR_WAIT_S = 1.0  # how long a rank other than 0 waits for rank 0 to say a UserError both found
 
 
 def get_world_size():
@@ -194,7 +195,7 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
         _host["store"] = rendezvous.init_process_group(settings, world_size,
                                                        "nccl" if device.type == "cuda" else "gloo", gpu_id(device),
                                                        rendezvous_timeout, collective_timeout)
-        on_job_failures(announce_failure, explain_lost_peer)
+        on_job_failures(announce_failure, explain_lost_peer, claim_user_error)
         if get_world_rank() == 0:
             _beat_while_alive(_host["store"])
     if dist.is_initialized():
@@ -466,6 +467,26 @@ def announce_failure(message):
             linger_for_the_others(store, world)  # the others read the note from the store this process holds
         except (RuntimeError, OSError):
             pass
+
+
+def claim_user_error():
+    """Whether this rank says the UserError it stops on (utils/errors.py, stop_in_one_line): the first rank to
+    claim it in the store does, and the others leave quietly, marked in the store (rank 0, which may hold it,
+    then need not wait for them). Rank 0 claims at once; another rank first waits USER_ERROR_WAIT_S for rank 0,
+    which finds the same error when every rank reads the same flags, config and files. A rank alone with its error
+    (its node's missing mount or data) says it itself. Without a store (gone with rank 0): rank 0 says it."""
+    store, rank = _host.get("store"), get_world_rank()
+    try:
+        if rank != 0:
+            deadline = time.time() + USER_ERROR_WAIT_S
+            while time.time() < deadline and not store.check(["user_error"]):
+                time.sleep(0.05)
+        claimed = store.compare_set("user_error", "", str(rank)) == str(rank).encode()
+        if not claimed:
+            store.set(f"alive/{rank}", "1")
+        return claimed
+    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
+        return rank == 0
 
 
 def explain_lost_peer(err):

@@ -26,7 +26,8 @@ def register_cleanup(function):
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, missing data, sizes that do not divide). Every rank reads the same
-    flags, config and files, so every rank finds it: world rank 0 alone prints it (every rank exits with code 2)."""
+    flags, config and files, so every rank should find it: one rank prints it, rank 0 where it finds it too (every
+    rank exits with code 2; stop_in_one_line)."""
 
 
 class OneRankError(UserError):
@@ -34,14 +35,15 @@ class OneRankError(UserError):
     GPU or shared memory): printed by the rank that finds it, whatever its rank, naming the rank."""
 
 
-def on_job_failures(announce=None, explain=None):
+def on_job_failures(announce=None, explain=None, claim=None):
     """utils/comm.py, once in a process group: `announce(message)` tells the other ranks that this rank stops on a
     OneRankError (and leaves the group, so that they stop at once instead of waiting in a collective);
     `explain(err)` turns a collective that failed because a peer is gone into this rank's one line, or None when the
-    peer said why itself (its line is the job's last word). Without arguments (the group left): forget them."""
+    peer said why itself (its line is the job's last word); `claim()`: whether this rank is the one to say the
+    UserError it stops on (stop_in_one_line). Without arguments (the group left): forget them."""
     _job.clear()
     if announce is not None:
-        _job.update(announce=announce, explain=explain)
+        _job.update(announce=announce, explain=explain, claim=claim)
 
 
 def lost_peer(err):
@@ -66,19 +68,10 @@ def exit_on_user_error(main):
         except OSError as err:
             if err.errno not in DISK_FULL:
                 raise
-            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...)
-            print(f"error: {disk_full(err)}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...): this rank's
+            stop_in_one_line(disk_full(err), found_here=True)
         except UserError as err:
-            if prints_here(err):
-                message = one_line(err)
-                if isinstance(err, OneRankError) and os.environ.get("WORLD_SIZE", "1") != "1" and \
-                        not message.startswith("rank "):
-                    message = f"rank {os.environ.get('RANK', '0')}: {message}"  # which of the job's ranks found it
-                print(f"error: {message}", file=sys.stderr, flush=True)
-                if isinstance(err, OneRankError) and "announce" in _job:
-                    _job["announce"](message)  # the others stop now, not at NCCL's timeout
-            sys.exit(2)
+            stop_in_one_line(one_line(err), found_here=isinstance(err, OneRankError))
         except RuntimeError as err:
             if not lost_peer(err) or "explain" not in _job:
                 raise
@@ -91,6 +84,31 @@ def exit_on_user_error(main):
                 _cleanups.pop()()
 
     return wrapper
+
+
+def stop_in_one_line(message, found_here):
+    """Print `message` as the job's one `error:` line where it belongs, and exit with code 2. `found_here`: this
+    rank's own finding (a OneRankError, its disk full): it prints it, naming its rank in a job of several, and
+    tells the others (announce), which then stop at once instead of waiting in a collective. Else a UserError that
+    every rank should find alike: before the ranks meet, rank 0 prints it; once they share a store, the first rank
+    to claim it (rank 0 first, when it finds it too) prints it and tells the others, so that an error only one
+    node's ranks find (a missing mount) is said as well, once."""
+    several = os.environ.get("WORLD_SIZE", "1") != "1"
+    rank = os.environ.get("RANK", "0")
+    if not found_here:
+        if _job.get("claim") is None or not several:
+            if prints_here(UserError(message)):
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if not _job["claim"]():
+            sys.exit(2)  # another rank says it
+        found_here = rank != "0"  # rank 0's line needs no name (it is the line of a job without a store)
+    if found_here and several and not message.startswith("rank "):
+        message = f"rank {rank}: {message}"  # which of the job's ranks found it
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if "announce" in _job:
+        _job["announce"](message)  # the others stop now, not at NCCL's timeout
+    sys.exit(2)
 
 
 def free_space(folder):

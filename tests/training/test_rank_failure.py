@@ -23,7 +23,7 @@ import os, signal, sys, time
 sys.path.insert(0, {root!r})
 import loaders.era5
 import train
-from utils.errors import OneRankError
+from utils.errors import OneRankError, UserError
 
 reads = [0]
 real_read_into = loaders.era5.ERA5Dataset.read_into
@@ -36,6 +36,10 @@ def read_into(self, year_idx, step, out):
             print(f"test: rank 1 fails at {{time.time()}}", flush=True)
             if {mode!r} == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if {mode!r} == "usererror":  # what every rank would find, found by one (its node's mount is missing)
+                raise UserError("data directory '/data/train' does not exist (injected)")
+            if {mode!r} == "diskfull":  # a writer without its own message, on this rank alone
+                raise OSError(28, "No space left on device", "/logs/run/events.out (injected)")
             raise OneRankError("sample 12 of the shard cannot be read (injected)")
     return real_read_into(self, year_idx, step, out)
 
@@ -44,6 +48,9 @@ loaders.era5.ERA5Dataset.read_into = read_into
 if {switched_off}:
     import utils.comm
     utils.comm.on_job_failures = lambda *args: None
+if {unclaimed}:  # as before the claim: rank 0 alone says a UserError
+    import utils.comm
+    utils.comm.claim_user_error = lambda: os.environ["RANK"] == "0"
 train.main(sys.argv[1:])
 """
 
@@ -54,11 +61,11 @@ def era5(tmp_path_factory):
                           train_years=1, valid_years=1, test_years=1, verbose=False))
 
 
-def job(era5, tmp_path, ranks, mode, switched_off=False, timeout=120):
+def job(era5, tmp_path, ranks, mode, switched_off=False, timeout=120, unclaimed=False):
     """`ranks` plain processes of train.py (tiny, local batch 1, a checkpoint every 4 steps, no loader workers):
     (exit codes, outputs, seconds from rank 1's failure to the last exit)."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, mode=mode, switched_off=switched_off))
+    script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, mode=mode, switched_off=switched_off, unclaimed=unclaimed))
     codes, outputs, last_exit = run_plain_ranks(
         [sys.executable, str(script), "--config", "tiny", "--data_dir", era5, "--expdir", str(tmp_path / "exp"),
          "--num_iters", "40", "--local_batch_size", "1", "--num_data_workers", "0", "--checkpoint_interval", "4",
@@ -89,6 +96,32 @@ def test_twin_without_the_handling_the_other_ranks_end_in_tracebacks(era5, tmp_p
     in its next collective and ends in gloo's traceback."""
     codes, outputs, _ = job(era5, tmp_path, 2, "error", switched_off=True)
     assert codes[1] == 2 and codes[0] != 0 and "Traceback" in outputs[0], outputs[0][-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, line", [
+    ("usererror", "error: rank 1: data directory '/data/train' does not exist (injected)"),
+    ("diskfull", "error: rank 1: writing '/logs/run/events.out (injected)' failed: the disk is full or over its quota "
+                 "(No space left on device; "),
+])
+def test_an_error_only_one_rank_finds_is_said_by_it_once(era5, tmp_path, mode, line):
+    """A UserError every rank would find alike, found by rank 1 alone (its node's data mount is missing), and a
+    full disk under a writer without its own message: rank 1 says it, naming itself, and rank 0 stops without a
+    line of its own. Before, rank 1 left in silence (only rank 0 said a UserError) or without telling the others
+    (the disk), and rank 0 said that rank 1 stopped answering without a line of its own."""
+    codes, outputs, seconds = job(era5, tmp_path, 2, mode)
+    console = "".join(outputs)
+    assert codes[1] == 2 and codes[0] != 0 and seconds < 15, (codes, seconds, console[-3000:])
+    errors = [line for line in console.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(line) and errors[0] in outputs[1], console[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_twin_unclaimed_a_user_error_of_rank_1_alone_is_never_said(era5, tmp_path):
+    """The check above can fail: with rank 0 alone saying UserErrors (as before), rank 1's reason is nowhere."""
+    codes, outputs, _ = job(era5, tmp_path, 2, "usererror", unclaimed=True)
+    console = "".join(outputs)
+    assert codes[1] == 2 and "does not exist (injected)" not in console, console[-3000:]
 
 
 @pytest.mark.multiprocess
