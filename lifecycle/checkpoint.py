@@ -182,6 +182,8 @@ def load_on_every_rank(path, newest=False, check=None):
         sys.exit(2)
     if error:  # rank 0's reason: every rank stops as when every rank found it; rank 0 prints it
         raise UserError(error)
+    if iteration is not None:  # what a rank that loses a peer from here on says the job resumes from
+        comm.note_checkpoint(path, iteration)
     problem = None
     if rank != 0:
         checkpoint, problem = load_rank0s_choice(path, iteration)

@@ -58,6 +58,7 @@ def test_the_old_per_rank_fallback_would_restart_one_rank_older(tmp_path, monkey
     path = two_checkpoints(tmp_path)
     rank0_checkpoint, rank0_file = load_newest_checkpoint(path)
     unreadable_here(monkeypatch, path)
+    monkeypatch.setattr(lifecycle.checkpoint, "damaged_path", lambda path: path)  # the old code moved nothing
     rank1_checkpoint, rank1_file = load_newest_checkpoint(path)  # the old rank 1
     assert (rank0_file, rank0_checkpoint["iteration"]) == (path, 4)
     assert (rank1_file, rank1_checkpoint["iteration"]) == (previous_path(path), 2)  # the guarantee, broken
@@ -108,14 +109,25 @@ def test_in_one_process_rank_0_chooses_the_newest_good_checkpoint(tmp_path, capl
         f.truncate(10)
     assert load_on_every_rank(path, newest=True) == ({"iteration": 2}, previous_path(path))
     assert "resuming from the previous checkpoint" in caplog.text
+    assert not os.path.exists(path) and os.path.getsize(path + ".damaged") == 10  # moved aside, kept
     with pytest.raises(UserError, match="cannot be read"):  # --resume's file: no fallback
-        load_on_every_rank(path)
+        load_on_every_rank(path + ".damaged")
 
     def refuse(checkpoint, file):
         raise UserError(f"not ours: {file}")
 
     with pytest.raises(UserError, match="not ours: .*ckpt_previous.pt"):
         load_on_every_rank(path, newest=True, check=refuse)
+
+
+def test_from_rank_0s_choice_on_a_lost_peer_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    """Once rank 0 has chosen, a rank whose wait for the others fails (a rank slower to read the file than
+    --collective_timeout) says the job resumes from that file, not 'no checkpoint was written yet'."""
+    from utils import comm
+    path = two_checkpoints(tmp_path)
+    monkeypatch.delitem(comm._host, "checkpoint", raising=False)
+    load_on_every_rank(path, newest=True)
+    assert comm._host["checkpoint"] == f"'{path}' (iteration 4)"
 
 
 # ---------------------------------------------------------------- two ranks (gloo), a real resume
