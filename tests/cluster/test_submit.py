@@ -263,8 +263,8 @@ def test_only_a_stop_with_checkpoint_requeues_the_job_and_every_status_is_kept(v
     requeued = statuses == {75}
     assert requeues(tmp_path) == ([f"requeue {job_id(result)}"] if requeued else [])
     assert ("requeueing job" in result.stdout) == requeued
-    assert ("srun's status is 137, but the ranks stopped with a checkpoint" in result.stdout) == (
-        "STUB_LINGER_RANK" in variables and requeued)
+    if "STUB_LINGER_RANK" in variables:  # (without it, both ranks may end before srun kills either: 75 as it is)
+        assert ("srun's status is 137, but the ranks stopped with a checkpoint" in result.stdout) == requeued
     assert not list(checkout.glob(".requeue-*"))  # the file is gone with the job
 
 

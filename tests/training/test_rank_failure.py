@@ -101,8 +101,8 @@ def test_twin_without_the_handling_the_other_ranks_end_in_tracebacks(era5, tmp_p
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, line", [
     ("usererror", "error: rank 1: data directory '/data/train' does not exist (injected)"),
-    ("diskfull", "error: rank 1: writing '/logs/run/events.out (injected)' failed: the disk is full or over its quota "
-                 "(No space left on device; "),
+    pytest.param("diskfull", "error: rank 1: writing '/logs/run/events.out (injected)' failed: the disk is full or "
+                 "over its quota (No space left on device; ", marks=pytest.mark.long),
 ])
 def test_an_error_only_one_rank_finds_is_said_by_it_once(era5, tmp_path, mode, line):
     """A UserError every rank would find alike, found by rank 1 alone (its node's data mount is missing), and a
@@ -117,6 +117,7 @@ def test_an_error_only_one_rank_finds_is_said_by_it_once(era5, tmp_path, mode, l
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_twin_unclaimed_a_user_error_of_rank_1_alone_is_never_said(era5, tmp_path):
     """The check above can fail: with rank 0 alone saying UserErrors (as before), rank 1's reason is nowhere."""
     codes, outputs, _ = job(era5, tmp_path, 2, "usererror", unclaimed=True)
