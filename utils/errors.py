@@ -68,7 +68,7 @@ def exit_on_user_error(main):
         except OSError as err:
             if err.errno not in DISK_FULL:
                 raise
-            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...): this rank's
+            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...), on this rank
             stop_in_one_line(disk_full(err), found_here=True)
         except UserError as err:
             stop_in_one_line(one_line(err), found_here=isinstance(err, OneRankError))
