@@ -100,7 +100,8 @@ def test_twin_without_the_handling_the_other_ranks_end_in_tracebacks(era5, tmp_p
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, line", [
-    ("usererror", "error: rank 1: data directory '/data/train' does not exist (injected)"),
+    pytest.param("usererror", "error: rank 1: data directory '/data/train' does not exist (injected)",
+                 marks=pytest.mark.long),
     pytest.param("diskfull", "error: rank 1: writing '/logs/run/events.out (injected)' failed: the disk is full or "
                  "over its quota (No space left on device; ", marks=pytest.mark.long),
 ])
@@ -173,3 +174,61 @@ def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local
     else:
         assert said.startswith(line + " in a collective (Connection closed by peer)"), said
         assert said.endswith("starting again resumes from 'ckpt.pt' (iteration 12)"), said
+
+
+class ClaimStore:
+    """The calls of the rendezvous store that claim_user_error makes, as TCPStore answers them."""
+
+    def __init__(self, **keys):
+        self.keys = {key: value.encode() for key, value in keys.items()}
+
+    def check(self, keys):
+        return all(key in self.keys for key in keys)
+
+    def set(self, key, value):
+        self.keys[key] = str(value).encode()
+
+    def compare_set(self, key, expected, desired):
+        if self.keys.get(key, b"") == expected.encode():
+            self.keys[key] = desired.encode()
+        return self.keys[key]
+
+
+@pytest.mark.parametrize("rank, keys, claimed", [
+    (0, {}, True),                  # rank 0 says it at once
+    (1, {"user_error": "0"}, False),  # rank 0 found it too: rank 1 leaves quietly, marked for rank 0's linger
+    (1, {}, True),                  # rank 1 alone (its node's mount): after the wait, it says it
+    (2, {"user_error": "1"}, False),  # rank 1 said it first
+])
+def test_the_first_rank_to_claim_a_user_error_says_it(monkeypatch, rank, keys, claimed):
+    from utils import comm
+    store = ClaimStore(**keys)
+    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
+    monkeypatch.setattr(comm, "USER_ERROR_WAIT_S", 0.1)
+    monkeypatch.setitem(comm._host, "store", store)
+    assert comm.claim_user_error() == claimed
+    if claimed:
+        assert store.keys["user_error"] == str(rank).encode()
+    else:
+        assert store.keys[f"alive/{rank}"] == b"1"
+
+
+@pytest.mark.parametrize("rank, claimed, line, announced", [
+    ("1", True, "error: rank 1: data directory 'x' does not exist", True),
+    ("0", True, "error: data directory 'x' does not exist", True),  # rank 0's line as in a job without a store
+    ("1", False, None, False),  # another rank says it
+])
+def test_a_claimed_user_error_is_one_line_and_tells_the_others(monkeypatch, capsys, rank, claimed, line, announced):
+    """stop_in_one_line in a job of 2 ranks sharing a store; the twin of the end-to-end run: without the claim
+    (rank 0 alone printing, as before) rank 1's line would be missing."""
+    from utils import errors
+    told = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(errors, "_job", {"announce": told.append, "explain": None, "claim": lambda: claimed})
+    with pytest.raises(SystemExit) as stop:
+        errors.stop_in_one_line("data directory 'x' does not exist", found_here=False)
+    assert stop.value.code == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert printed == ([line] if line else [])
+    assert told == ([line.removeprefix("error: ")] if announced else [])

@@ -151,15 +151,43 @@ def read_benchmark(stderr_or_log, json_path):
 
 
 def test_benchmark_mode_unet(cosmo_dir, tmp_path, monkeypatch):
+    """The three benchmarks' lines and JSON; what each trial does, counted (not timed: 4 batches on a busy CPU
+    ordered FULL above IO by 1.5x once): IO draws batches alone, SYNTHETIC steps alone, FULL draws and steps."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import loop.benchy
+    work = {"draws": 0, "steps": 0}
+    real_endless, real_trial = loop.benchy.endless_batches, loop.benchy.time_trial
+
+    def counted_batches(loader):
+        for batch in real_endless(loader):
+            work["draws"] += 1
+            yield batch
+
+    per_trial = {}
+
+    def counted_trial(label, *args, **kwargs):
+        before = dict(work)
+        rate = real_trial(label, *args, **kwargs)
+        per_trial[label] = (work["draws"] - before["draws"], work["steps"] - before["steps"])
+        return rate
+
+    monkeypatch.setattr(loop.benchy, "endless_batches", counted_batches)
+    monkeypatch.setattr(loop.benchy, "time_trial", counted_trial)
+    hook = register_optimizer_step_post_hook(
+        lambda *args: work.__setitem__("steps", work["steps"] + 1))
     monkeypatch.setenv("BENCHY_OUTPUT", str(tmp_path / "unet_bench"))
-    run_dir = run_unet(cosmo_dir, tmp_path, "--enable_benchy", "--benchy_nbatches", "4", "--benchy_ntrials", "2",
-                       "--benchy_nwarmup", "1")
+    try:
+        run_dir = run_unet(cosmo_dir, tmp_path, "--enable_benchy", "--benchy_nbatches", "4", "--benchy_ntrials", "2",
+                           "--benchy_nwarmup", "1")
+    finally:
+        hook.remove()
     log = open(os.path.join(run_dir, "out.log")).read()
-    summary = read_benchmark(log, tmp_path / "unet_bench.json")
+    read_benchmark(log, tmp_path / "unet_bench.json")
     assert "BENCHY::IO_WARMUP_0::Trial Throughput" in log and "BENCHY::FULL_1::Trial Throughput" in log
-    # FULL does the loader's and the step's work (0 workers: one after the other): not faster than either (a margin
-    # for 4 batches timed on a busy CPU: 1.2 failed once with the other test process running, FULL 54.0, IO 41.3)
-    assert summary["FULL"] <= 1.5 * min(summary["IO"], summary["SYNTHETIC"])
+    expected = {"IO": (4, 0), "SYNTHETIC": (0, 4), "FULL": (4, 4)}  # (batches drawn, optimizer steps) per trial
+    assert per_trial == {f"{name}{part}": counts for name, counts in expected.items()
+                         for part in ("_WARMUP_0", "_0", "_1")}, per_trial
     assert not os.path.exists(os.path.join(run_dir, "checkpoints"))  # benchmark only: no training, no checkpoint
 
 
