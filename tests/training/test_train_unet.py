@@ -74,10 +74,10 @@ SC21_REFUSAL = ("error: --enable_amp is a flag of the UNet stage (the SC21 tutor
 def test_an_sc21_command_as_written_stops_in_one_line_and_trains_the_unet_with_its_yaml(cosmo_dir, tmp_path):
     """SC21's command names no YAML file, and train.py's default is config/ViT.yaml: its UNet flag stops the run in
     one line naming config/UNet.yaml, before any data or run directory (no ViT trains). Twin: with that file and
-    the `tiny` config, the same flags train the UNet, with AMP on."""
+    the `tiny` config (2 steps), the same flags train the UNet, with AMP on."""
     result = run_command(["train.py", "--config=short", "--num_epochs", "3", "--enable_amp"])  # as SC21 wrote it
     assert result.returncode == 2 and result.stderr.splitlines() == [SC21_REFUSAL], result.stderr[-2000:]
-    twin = run_command(["train.py", "--yaml_config", "config/UNet.yaml", "--config=tiny", "--num_epochs", "1",
+    twin = run_command(["train.py", "--yaml_config", "config/UNet.yaml", "--config=tiny", "--num_iters", "2",
                         "--enable_amp", "--data_dir", cosmo_dir, "--expdir", str(tmp_path)])
     assert twin.returncode == 0, twin.stderr[-2000:]
     log = open(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "out.log")).read()
