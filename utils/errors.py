@@ -97,7 +97,7 @@ def stop_in_one_line(message, found_here):
     rank = os.environ.get("RANK", "0")
     if not found_here:
         if _job.get("claim") is None or not several:
-            if prints_here(UserError(message)):
+            if rank == "0":
                 print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
         if not _job["claim"]():
