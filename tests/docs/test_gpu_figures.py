@@ -125,6 +125,13 @@ def profile_mismatches(readme, profiles):
                  f"{profiles['profiles'][name]['step_ms']:.1f}"]
         if row[1:] != value:
             found.append(f"{name}: README says {row[1:]}, the JSON {value}")
+    baseline = profiles["profiles"]["vit_baseline"]  # the prose under the baseline's picture
+    flat = " ".join(readme.split())
+    for words in (f"Of its {baseline['step_ms']:.0f} ms, {baseline['ms_per_step']['attention']:.0f} are attention",
+                  f"and {baseline['ms_per_step']['gemm']:.0f} the GEMMs",
+                  f"the 0-worker loader, {baseline['host_loader_ms_per_step']:.0f} ms of the host's time a step"):
+        if words not in flat:
+            found.append(f"vit_baseline: README does not say {words!r}")
     return found
 
 
@@ -141,6 +148,8 @@ def test_readme_profile_table_is_the_committed_profiles():
     changed = copy.deepcopy(profiles)
     changed["profiles"]["vit_nw8_bf16"]["ms_per_step"]["idle"] += 0.1
     assert [line.split(":")[0] for line in profile_mismatches(readme, changed)] == ["vit_nw8_bf16"]
+    changed["profiles"]["vit_baseline"]["host_loader_ms_per_step"] = 252.0  # what README said until 2026-11-28
+    assert [line.split(":")[0] for line in profile_mismatches(readme, changed)] == ["vit_nw8_bf16", "vit_baseline"]
 
 
 def load():
