@@ -8,6 +8,7 @@ Every rank resumes from the same file, or the job stops (load_on_every_rank): ra
 import logging
 import os
 import random
+import stat
 import sys
 
 import numpy as np
@@ -35,6 +36,21 @@ def damaged_path(path):
     return f"{path}.damaged"
 
 
+def present(path):
+    """Whether the checkpoint file `path` exists: False only when the file system says there is none. A file system
+    that cannot say (EIO, ESTALE, EACCES: an evicted Lustre client, a failing disk) is a UserError: taken for "no
+    checkpoint", the run would start again from iteration 0 and its saves would push the good checkpoints out."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as err:
+        folder = os.path.dirname(os.path.abspath(path))
+        raise UserError(f"checkpoint '{path}' cannot be looked up ({err.strerror or type(err).__name__}): the file "
+                        f"system under '{folder}' is failing or refuses access; nothing was started, the "
+                        "checkpoints are as they were: start again when it answers") from None
+
+
 def save_checkpoint(path, state):
     """torch.save to `<path>.tmp`, flushed to disk, then the current `path` becomes previous_path(path) and the new
     file takes its place. A failed write (disk full, quota) removes the temporary file, keeps the checkpoints there
@@ -60,7 +76,7 @@ def save_checkpoint(path, state):
 
 def load_checkpoint(path):
     """The checkpoint dict at `path`, on the CPU; DamagedCheckpoint when the file cannot be read."""
-    if not os.path.isfile(path):
+    if not present(path):
         raise UserError(f"checkpoint '{path}' not found; pass an existing file to --resume")
     try:
         # our own files hold numpy/python RNG states, which weights_only loading refuses
@@ -79,14 +95,14 @@ def load_newest_checkpoint(path):
     (a crash between the two renames of save_checkpoint), saying so on rank 0. A damaged `path` is moved to
     damaged_path(path): saved over, it would become the previous checkpoint, and the good one would be lost."""
     previous = previous_path(path)
-    if not os.path.isfile(path):
+    if not present(path):
         why = f"checkpoint '{path}' is missing"
     else:
         try:
             return load_checkpoint(path), path
         except DamagedCheckpoint as err:
             why = str(err).rsplit("; pass another", 1)[0]  # the run directory's own: --resume would not be read
-            if not os.path.isfile(previous):
+            if not present(previous):
                 raise UserError(f"{why}, and there is no previous one; move it away to train from the beginning "
                                 "here, or start a new --run_num (or --expdir)") from None
     try:
@@ -95,7 +111,7 @@ def load_newest_checkpoint(path):
         raise UserError(f"{why}, and the previous one, '{previous}', is damaged or incomplete too; start a new "
                         "--run_num (or --expdir) to train from the beginning") from None
     aside = ""
-    if os.path.isfile(path):  # damaged: moved aside, else the next save would make it the previous checkpoint
+    if present(path):  # damaged: moved aside, else the next save would make it the previous checkpoint
         try:
             os.replace(path, damaged_path(path))
         except OSError as err:
@@ -122,8 +138,12 @@ def load_rank0s_choice(path, iteration):
     (None, this rank's problem in one sentence): it cannot read the file, or the file holds another iteration here.
     No fallback of its own: rank 0 decided."""
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isfile(path):
-        why = "not found"
+    try:
+        found = present(path)
+    except UserError:  # this node's file system cannot look it up
+        found = None
+    if not found:
+        why = "not found" if found is False else "its file system cannot look it up"
     else:
         try:
             checkpoint = load_checkpoint(path)

@@ -22,6 +22,7 @@ from lifecycle.checkpoint import (
     get_rng_states,
     load_model_state,
     load_on_every_rank,
+    present,
     previous_path,
     save_checkpoint,
     set_rng_states,
@@ -153,7 +154,7 @@ def start_run(args, params, layout):
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration
-    own = os.path.isfile(checkpoint_path) or os.path.isfile(previous_path(checkpoint_path))
+    own = comm.on_rank0(lambda: present(checkpoint_path) or present(previous_path(checkpoint_path)))
     run.resume_path = comm.broadcast_from_rank0(checkpoint_path if own else args.resume)
     if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
         logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")

@@ -21,6 +21,7 @@ from ruamel.yaml import YAML
 from torch.utils.tensorboard import SummaryWriter
 
 import lifecycle.checkpoint
+import lifecycle.run
 import loop.flops
 import train
 from lifecycle.checkpoint import DamagedCheckpoint, load_checkpoint
@@ -455,6 +456,36 @@ def test_after_falling_back_the_next_save_keeps_the_good_checkpoint_as_the_previ
     else:
         with pytest.raises(DamagedCheckpoint):
             load_checkpoint(previous)
+
+
+@pytest.mark.parametrize("looked_up", [True, False])
+def test_a_checkpoint_the_file_system_cannot_look_up_stops_the_run_instead_of_starting_over(
+        small_era5, tmp_path, capsys, monkeypatch, looked_up):
+    """On a restart, a stat of the checkpoints that fails with EIO (an evicted Lustre client, a failing disk) is not
+    "no checkpoint": the run stops in one line and the checkpoints stay. The twin takes the error for a missing file
+    (os.path.isfile, as before): the run starts again from iteration 0 and its first save pushes iteration 8 out."""
+    flags = ("--num_iters", "12", "--checkpoint_interval", "4")
+    train.main(tiny(small_era5, tmp_path, *flags, "--stop_at_iter", "8"))
+    newest = os.path.join(run_dir_of(tmp_path), "checkpoints", "ckpt.pt")
+    real_stat = os.stat
+
+    def failing_stat(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) in ("ckpt.pt", "ckpt_previous.pt"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    if not looked_up:
+        monkeypatch.setattr(lifecycle.run, "present", os.path.isfile)
+    monkeypatch.setattr(os, "stat", failing_stat)
+    capsys.readouterr()
+    if looked_up:
+        fails_with(capsys, tiny(small_era5, tmp_path, *flags, "--stop_at_iter", "4"),
+                   r"checkpoint '.*ckpt\.pt' cannot be looked up \(Input/output error\): the file system under .* is "
+                   r"failing .*; nothing was started, the checkpoints are as they were")
+    else:
+        train.main(tiny(small_era5, tmp_path, *flags, "--stop_at_iter", "4"))
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert torch.load(newest, weights_only=False)["iteration"] == (8 if looked_up else 4)
 
 
 def test_a_torch_file_not_written_by_train_py_is_named_as_such(small_era5, tmp_path, capsys):
