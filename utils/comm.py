@@ -287,6 +287,16 @@ class HostMax:
         return int(self.tensor.item())
 
 
+def gather_on_host(value):
+    """Every rank's `value` (a small picklable object) in rank order, on every rank: one collective over the host's
+    gloo group, for start-up checks that the ranks agree. [value] in one process or a dry run."""
+    if not dist.is_initialized() or is_dry_run():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=_host.get("group"))
+    return values
+
+
 def all_reduce_min(tensor):
     """Minimum over every rank (an agreement all ranks act on, e.g. to stop together)."""
     if dist.is_initialized():

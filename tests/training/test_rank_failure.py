@@ -232,3 +232,62 @@ def test_a_claimed_user_error_is_one_line_and_tells_the_others(monkeypatch, caps
     printed = capsys.readouterr().err.strip().splitlines()
     assert printed == ([line] if line else [])
     assert told == ([line.removeprefix("error: ")] if announced else [])
+
+
+# each rank reads its own --data_dir: rank 1 a copy of the data missing one training year (a node whose copy is
+# still running); `switched_off` takes the agreement away (the twin)
+DATA_SCRIPT = """\
+import os, sys
+sys.path.insert(0, {root!r})
+import loaders.common
+import train
+
+if {switched_off}:
+    loaders.common.check_same_size_everywhere = lambda size, train: None
+argv = sys.argv[1:]
+if os.environ["RANK"] == "1":
+    argv[argv.index("--data_dir") + 1] = {partial!r}
+train.main(argv)
+"""
+
+
+def different_data_job(tmp_path, switched_off):
+    whole = write_era5(tmp_path / "whole", height=16, width=32, steps_per_year=24, train_years=2, valid_years=1,
+                       test_years=1, verbose=False)
+    partial = write_era5(tmp_path / "partial", height=16, width=32, steps_per_year=24, train_years=2, valid_years=1,
+                         test_years=1, verbose=False)
+    train_files = sorted((partial / "train").iterdir())
+    train_files[-1].unlink()  # the copy of the last year has not arrived on rank 1's node
+    script = tmp_path / "rank.py"
+    script.write_text(DATA_SCRIPT.format(root=REPO_ROOT, partial=str(partial), switched_off=switched_off))
+    return run_plain_ranks(
+        [sys.executable, str(script), "--config", "tiny", "--data_dir", str(whole), "--expdir", str(tmp_path / "exp"),
+         "--num_iters", "60", "--local_batch_size", "1", "--num_data_workers", "0", "--checkpoint_interval", "0",
+         "--dist_timeout", "60", "--collective_timeout", "20"], 2, tmp_path, timeout=150)
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_see_different_data_stop_before_training_in_one_line(tmp_path):
+    """Rank 1's node sees one training year fewer: the job stops at start-up, exit 2 on both ranks, with one line
+    naming the rank and both sizes. Before, the ranks shuffled different orders and ended their epochs at different
+    steps (24 and 12 here), where their collectives stopped matching."""
+    codes, outputs, _ = different_data_job(tmp_path, switched_off=False)
+    console = "".join(outputs)
+    errors = [line for line in console.splitlines() if line.startswith("error: ")]
+    assert codes == [2, 2], (codes, console[-3000:])
+    assert errors == ["error: the ranks see different training data: rank 1 has 24 samples where the other 1 have 48; "
+                      "every rank must read the same files: check that every node sees the same data folder (a copy "
+                      "still running, a stale or partial mount), then start again"], console[-3000:]
+    assert "Traceback" not in console and "Time taken for epoch" not in console
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_twin_without_the_agreement_ranks_on_different_data_train_on_and_fail_later(tmp_path):
+    """The check above can fail: without the agreement both ranks train on their different data until rank 1's
+    shorter epoch ends and the ranks' collectives stop matching (gloo notices the sizes; NCCL would hang until its
+    timeout)."""
+    codes, outputs, _ = different_data_job(tmp_path, switched_off=True)
+    console = "".join(outputs)
+    assert "different training data" not in console and codes != [0, 0], (codes, console[-3000:])
+    assert re.search(r"collective mismatch|stopped answering", console), console[-3000:]
