@@ -540,3 +540,44 @@ def test_the_srun_stand_in_kills_the_other_tasks_only_when_asked(tmp_path, flag,
         ended = False
     # srun's status: the highest, task 0 killed (128 + SIGKILL) above task 1's 3
     assert ended == stops_the_other and (not ended or result.returncode == 137), time.time() - start
+
+
+# a batch job of the form docs/cluster.md gives for torchrun on Slurm nodes: srun starts one torchrun a node
+# (one node, 2 gloo ranks here); `protected` is whether torchrun runs with Slurm's warning signal ignored
+TORCHRUN_JOB = """#!/bin/bash
+#SBATCH -N 1 -n 1
+#SBATCH --signal=USR1@180
+srun -n 1 bash -c '{trap}exec torchrun --standalone --nproc_per_node 2 "$@"' torchrun \\
+    {repo}/train.py --config tiny --data_dir {data} --expdir {expdir} --num_iters 400 --checkpoint_interval 0 \\
+    --local_batch_size 8 --num_data_workers 0
+"""
+
+
+def torchrun_job(tmp_path, era5_dir, protected):
+    script = tmp_path / "torchrun_job.sh"
+    script.write_text(TORCHRUN_JOB.format(trap="trap \"\" USR1; " if protected else "", repo=REPO_ROOT,
+                                          data=era5_dir, expdir=tmp_path / "runs"))
+    run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "00"
+    env = job_env(tmp_path, FAKE_SLURM_SIGNAL_WHEN=f"{run_dir / 'out.log'}::Total validation time",
+                  REQUEUE_MARKER=str(tmp_path / "requeue-marker"))
+    result = sbatch([str(script)], REPO_ROOT, env)
+    return result, run_dir / "checkpoints" / "ckpt.pt"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("protected", [True, pytest.param(False, marks=pytest.mark.long)])
+def test_torchrun_under_srun_keeps_the_warning_signals_checkpoint_only_when_it_ignores_the_signal(era5_dir, tmp_path,
+                                                                                                  protected):
+    """Slurm's warning (SIGUSR1) goes to every process of the step, torchrun too, which has no handler for it and
+    dies; once its task is gone, Slurm kills what is left of the step: the ranks, before their checkpoint. Run as
+    docs/cluster.md says (`trap "" USR1; exec torchrun ...`), torchrun lives on, the ranks stop together with a
+    checkpoint and exit 75 (the requeue marker made); the twin without the trap loses them."""
+    result, checkpoint = torchrun_job(tmp_path, era5_dir, protected)
+    stopped = re.search(r"stopped by SIGUSR1 at iteration (\d+); starting again resumes here", result.stderr)
+    if protected:
+        assert stopped and result.returncode != 0, result.stderr[-3000:]
+        assert torch.load(checkpoint, weights_only=False)["iteration"] == int(stopped.group(1))
+        assert (tmp_path / "requeue-marker").exists()
+    else:
+        assert "killing the 2 processes left in the step" in result.stderr, result.stderr[-3000:]
+        assert not stopped and not checkpoint.exists(), result.stderr[-3000:]

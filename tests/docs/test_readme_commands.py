@@ -290,8 +290,8 @@ def check_command(command, monkeypatch, mention=False):
         if inner is not None:
             return check_command(shlex.join(rest[inner:]), monkeypatch)
         script = next((rest[i + 1] for i in range(len(rest) - 1) if rest[i] == "-c" and rest[i - 1] == "bash"), "")
-        checked = [check_command(part, monkeypatch) for part in _top_level_parts(script)
-                   if _command_word(part) in COMMAND_WORDS]
+        parts = [part.removeprefix("exec ") for part in _top_level_parts(script)]  # `exec torchrun ...`: torchrun
+        checked = [check_command(part, monkeypatch) for part in parts if _command_word(part) in COMMAND_WORDS]
         return " ".join(what for what in checked if what) or None
     if word == "make":
         makefile = open(os.path.join(REPO_ROOT, "Makefile")).read()
