@@ -49,14 +49,34 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s, collective
         try:
             store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         except (dist.DistError, RuntimeError) as err:  # "Timed out ... waiting for clients. 1/2 clients joined."
+            if "EADDRINUSE" in str(err):
+                raise UserError(f"rank 0 cannot listen on {addr}:{port}: the port is taken (another job sharing "
+                                "this node, or a process left over); set MASTER_PORT to a free port") from None
             raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
                             f"{timeout_s:g} s ({err}); start every rank, or raise --dist_timeout") from None
+        check_same_job(store, rank, addr, port)
     if backend == "nccl":
         check_one_rank_per_gpu(store, world_size, gpu, timeout_s)
     eager = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s), **eager)
     return store
+
+
+def check_same_job(store, rank, addr, port, job=None):
+    """Rank 0 writes its Slurm job id (`job`; default $SLURM_JOB_ID, '' outside Slurm) in the store; every other
+    rank checks it: two jobs sharing a node can pick the same MASTER_PORT (export_DDP_vars.sh derives it from the
+    job id), and then the second job's rank 0 cannot listen while its other ranks reach the first job's store and
+    would read that job's keys. Such a rank stops in one line (a OneRankError: its own finding) instead."""
+    job = os.environ.get("SLURM_JOB_ID", "") if job is None else job
+    if rank == 0:
+        store.set("slurm_job_id", job)
+        return
+    theirs = store.get("slurm_job_id").decode()
+    if theirs != job:
+        raise OneRankError(f"the rank 0 answering at {addr}:{port} belongs to another job (Slurm job "
+                           f"{theirs or 'none'}, this is {job or 'none'}): two jobs sharing a node took the same "
+                           "port; set MASTER_PORT to a free port and submit again")
 
 
 def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):

@@ -581,3 +581,73 @@ def test_torchrun_under_srun_keeps_the_warning_signals_checkpoint_only_when_it_i
     else:
         assert "killing the 2 processes left in the step" in result.stderr, result.stderr[-3000:]
         assert not stopped and not checkpoint.exists(), result.stderr[-3000:]
+
+
+def test_a_rank_that_reaches_another_jobs_store_stops_in_one_line():
+    """check_same_job: rank 0 writes its job id; a rank of the same job goes on, a rank of another job (two jobs on
+    one node with one port) stops with a OneRankError naming both jobs; outside Slurm ('' on both) nothing differs."""
+    from utils.errors import OneRankError
+    from utils.rendezvous import check_same_job
+    store = torch.distributed.HashStore()
+    check_same_job(store, 0, "nid001", 29623, job="4242123")
+    check_same_job(store, 1, "nid001", 29623, job="4242123")
+    with pytest.raises(OneRankError, match=r"^the rank 0 answering at nid001:29623 belongs to another job \(Slurm "
+                                           r"job 4242123, this is 5551123\): two jobs sharing a node took the same "
+                                           r"port; set MASTER_PORT to a free port"):
+        check_same_job(store, 1, "nid001", 29623, job="5551123")
+    outside = torch.distributed.HashStore()
+    check_same_job(outside, 0, "localhost", 29500, job="")
+    check_same_job(outside, 1, "localhost", 29500, job="")
+
+
+def plain_rank(argv, rank, port, job, log):
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCH_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", SLURM_JOB_ID=job)
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+@pytest.mark.parametrize("checked", [True, pytest.param(False, marks=pytest.mark.long)])
+def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_trains_on(era5_dir, tmp_path,
+                                                                                         checked):
+    """Job 111's 2 ranks train; job 222's 2 ranks start on the same node and port: its rank 0 cannot listen and
+    says the port is taken, its rank 1 reaches job 111's store and says so, both exit 2 within seconds, and job 111
+    finishes. The twin without the job check: job 222's rank 1 says nothing of the kind."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\nimport train, utils.rendezvous\n"
+                      f"if not {checked}:\n    utils.rendezvous.check_same_job = lambda *args, **kwargs: None\n"
+                      "train.main(sys.argv[1:])\n")
+    port = free_port()
+
+    def job(name, iters):
+        argv = [sys.executable, str(script), "--config", "tiny", "--data_dir", era5_dir, "--num_iters", str(iters),
+                "--expdir", str(tmp_path / name), "--num_data_workers", "0", "--dist_timeout", "15"]
+        logs = [open(tmp_path / f"{name}.{rank}.log", "w+") for rank in range(2)]
+        return [plain_rank(argv, rank, port, name, log) for rank, log in enumerate(logs)], logs
+
+    first, first_logs = job("111", 400)
+    deadline = time.time() + 120
+    while "Starting Training Loop" not in (tmp_path / "111.0.log").read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    second, second_logs = job("222", 10)
+    codes = []
+    for process in second:
+        try:
+            codes.append(process.wait(timeout=30))
+        except subprocess.TimeoutExpired:  # still waiting in the other job's rendezvous
+            process.kill()
+            codes.append(None)
+    outputs = [(tmp_path / f"222.{rank}.log").read_text() for rank in range(2)]
+    assert [process.wait(timeout=300) for process in first] == [0, 0], (tmp_path / "111.0.log").read_text()[-3000:]
+    for log in first_logs + second_logs:
+        log.close()
+    assert codes[0] == 2 and "rank 0 cannot listen on 127.0.0.1:" in outputs[0] and "the port is taken" in outputs[0]
+    line = (f"error: rank 1: the rank 0 answering at 127.0.0.1:{port} belongs to another job (Slurm job 111, this "
+            "is 222)")
+    if checked:
+        assert codes[1] == 2 and line in outputs[1], outputs[1][-3000:]
+    else:  # it hangs in job 111's rendezvous, without a word
+        assert codes[1] is None and line not in outputs[1], outputs[1][-3000:]
