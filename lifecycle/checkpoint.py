@@ -5,6 +5,7 @@ A run directory keeps two: checkpoints/ckpt.pt and the one before it, ckpt_previ
 moves the damaged file aside (ckpt.pt.damaged), so that the next save keeps the good one as the previous.
 Every rank resumes from the same file, or the job stops (load_on_every_rank): rank 0 chooses, the others follow.
 """
+import errno
 import logging
 import os
 import random
@@ -46,9 +47,10 @@ def present(path):
         return False
     except OSError as err:
         folder = os.path.dirname(os.path.abspath(path))
-        raise UserError(f"checkpoint '{path}' cannot be looked up ({err.strerror or type(err).__name__}): the file "
-                        f"system under '{folder}' is failing or refuses access; nothing was started, the "
-                        "checkpoints are as they were: start again when it answers") from None
+        what = (f"this user may not look into '{folder}': check its permissions" if err.errno in (errno.EACCES,
+                errno.EPERM) else f"the file system under '{folder}' is failing: start again when it answers")
+        raise UserError(f"checkpoint '{path}' cannot be looked up ({err.strerror or type(err).__name__}); nothing was "
+                        f"started, the checkpoints are as they were; {what}") from None
 
 
 def save_checkpoint(path, state):
@@ -149,6 +151,8 @@ def load_rank0s_choice(path, iteration):
             checkpoint = load_checkpoint(path)
         except DamagedCheckpoint as err:
             why = err.reason
+        except UserError:  # its file system cannot look it up (any more)
+            why = "its file system cannot look it up"
         else:
             mine = iteration_of(checkpoint)
             if mine == iteration:

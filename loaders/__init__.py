@@ -9,6 +9,7 @@ Every loader offers the training loop the same interface (loaders/common.py). `L
 (dataset, data_loader_config) to the function that builds the loader of one split; a data set with one loader
 (the image data sets) takes any data_loader_config.
 """
+from loaders import common
 from loaders.cosmo import cosmo_loader
 from loaders.era5 import era5_loader
 from loaders.synthetic import SyntheticLoader
@@ -58,7 +59,10 @@ def get_data_loader(params, train):
                             f"{DATASET_NAMES[dataset]} choose one of: {choices}")
         raise UserError(f"data_loader_config '{config}' is unknown for {DATASET_NAMES[dataset]}; choose one of: "
                         f"{choices}")
-    return build(params, train)
+    loader = build(params, train)
+    if hasattr(loader, "dataset"):  # a synthetic loader's size is its config's, the same everywhere
+        common.check_same_size_everywhere(len(loader.dataset), train)
+    return loader
 
 
 def get_data_loader_distributed(params, train):

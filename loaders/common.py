@@ -69,7 +69,6 @@ def sharded_sampler(params, dataset, train):
     if train and len(dataset) < params.local_batch_size * params.data_num_shards:
         raise UserError(f"the training data has {len(dataset)} samples, fewer than one global batch of "
                         f"{params.local_batch_size * params.data_num_shards}; lower the batch size")
-    check_same_size_everywhere(len(dataset), train)
     sampler_class = getattr(dataset, "sampler_class", ResumableSampler)
     return sampler_class(dataset, num_replicas=params.data_num_shards, rank=params.data_shard_id,
                          shuffle=train, seed=params.seed, drop_last=train)
@@ -79,7 +78,9 @@ def check_same_size_everywhere(size, train):
     """A UserError, the same on every rank, unless every rank's split has `size` samples. Ranks that see different
     data (a node whose copy is still running, a stale or partial mount) would shuffle different orders, overlap
     their shards and end their epochs at different steps, where their collectives stop matching and the job hangs
-    until the timeout. Every rank calls it (a collective)."""
+    until the timeout. A collective over every rank: loaders.get_data_loader calls it, which every rank of a
+    training script calls for each split in the same order (not the loaders themselves, which a test may build on
+    some ranks only)."""
     sizes = comm.gather_on_host(size)
     if len(set(sizes)) == 1:
         return
@@ -89,10 +90,11 @@ def check_same_size_everywhere(size, train):
     odd = [rank for rank, n in enumerate(sizes) if n != usual]
     named = ", ".join(f"rank {rank} has {sizes[rank]}" for rank in odd[:4]) + (
         f" (and {len(odd) - 4} more ranks)" if len(odd) > 4 else "")
+    others = len(sizes) - len(odd)
     raise UserError(f"the ranks see different {split} data: {named} samples where the other "
-                    f"{len(sizes) - len(odd)} have {usual}; every rank must read the same files: check that every "
-                    "node sees the same data folder (a copy still running, a stale or partial mount), then start "
-                    "again")
+                    f"{'rank has' if others == 1 else f'{others} ranks have'} {usual}; every rank must read the same "
+                    "files: check that every node sees the same data folder (a copy still running, a stale or "
+                    "partial mount), then start again")
 
 
 def batch_buffer(shape):

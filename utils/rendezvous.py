@@ -49,7 +49,7 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s, collective
         try:
             store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         except (dist.DistError, RuntimeError) as err:  # "Timed out ... waiting for clients. 1/2 clients joined."
-            if "EADDRINUSE" in str(err):
+            if "EADDRINUSE" in str(err) or "Address already in use" in str(err):  # libuv's words, or the OS's
                 raise UserError(f"rank 0 cannot listen on {addr}:{port}: the port is taken (another job sharing "
                                 "this node, or a process left over); set MASTER_PORT to a free port") from None
             raise UserError(f"rank {rank} could not gather {world_size} ranks at {addr}:{port} within "
@@ -72,7 +72,11 @@ def check_same_job(store, rank, addr, port, job=None):
     if rank == 0:
         store.set("slurm_job_id", job)
         return
-    theirs = store.get("slurm_job_id").decode()
+    try:
+        theirs = store.get("slurm_job_id").decode()  # waits for rank 0 (the store's timeout: --dist_timeout)
+    except (dist.DistError, RuntimeError) as err:
+        raise OneRankError(f"the rank 0 answering at {addr}:{port} never said which job it belongs to ({err}); if "
+                           "another job shares this node, set MASTER_PORT to a free port and submit again") from None
     if theirs != job:
         raise OneRankError(f"the rank 0 answering at {addr}:{port} belongs to another job (Slurm job "
                            f"{theirs or 'none'}, this is {job or 'none'}): two jobs sharing a node took the same "

@@ -547,9 +547,9 @@ def test_the_srun_stand_in_kills_the_other_tasks_only_when_asked(tmp_path, flag,
 TORCHRUN_JOB = """#!/bin/bash
 #SBATCH -N 1 -n 1
 #SBATCH --signal=USR1@180
-srun -n 1 bash -c '{trap}exec torchrun --standalone --nproc_per_node 2 "$@"' torchrun \\
+srun -n 1 bash -c '{trap}exec python -m torch.distributed.run --standalone --nproc_per_node 2 "$@"' torchrun \\
     {repo}/train.py --config tiny --data_dir {data} --expdir {expdir} --num_iters 400 --checkpoint_interval 0 \\
-    --local_batch_size 8 --num_data_workers 0
+    --local_batch_size 16 --num_data_workers 0
 """
 
 
@@ -615,7 +615,8 @@ def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_
                                                                                          checked):
     """Job 111's 2 ranks train; job 222's 2 ranks start on the same node and port: its rank 0 cannot listen and
     says the port is taken, its rank 1 reaches job 111's store and says so, both exit 2 within seconds, and job 111
-    finishes. The twin without the job check: job 222's rank 1 says nothing of the kind."""
+    finishes. The twin without the job check: job 222's rank 1 hangs in job 111's rendezvous (or, when job 111 ends
+    first, fails in a C++ stack of its store) without saying why."""
     script = tmp_path / "rank.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\nimport train, utils.rendezvous\n"
                       f"if not {checked}:\n    utils.rendezvous.check_same_job = lambda *args, **kwargs: None\n"
@@ -649,5 +650,5 @@ def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_
             "is 222)")
     if checked:
         assert codes[1] == 2 and line in outputs[1], outputs[1][-3000:]
-    else:  # it hangs in job 111's rendezvous, without a word
-        assert codes[1] is None and line not in outputs[1], outputs[1][-3000:]
+    else:  # it hangs in job 111's rendezvous, or meets that job's end in a C++ stack, without a word of why
+        assert codes[1] != 0 and line not in outputs[1], outputs[1][-3000:]

@@ -281,6 +281,9 @@ QUOTED = [
      lambda r: f'`make plan ARGS="--config bs1024_opt --gpus 64"`, predicts {r["samples_per_sec"]:,.0f},'),
     (["--config", "bs1024_opt", "--gpus", "64"], "docs/answers.md",
      lambda r: f'`make plan ARGS="--config bs1024_opt --gpus 64"` predicts {r["samples_per_sec"]:,.0f} samples/s'),
+    (["--config", "short", "--gpu", "H100-SXM", "--amp_mode", "bf16"], "docs/perf_model.md",
+     lambda r: f'`make plan ARGS="--config short --gpu H100-SXM --amp_mode bf16"` predicts {r["samples_per_sec"]:.1f} '
+     "samples/s"),
     (["--config", "mp", "--gpus", "16", "--tensor_parallel", "4"], "docs/answers.md", lambda r: "| tp=4 dp=4 | "
      f"{r['samples_per_sec']:.1f} | {r['peak_memory_gb']:.1f} | {quoted_breakdown(r)} | tp "
      f"{r['comm_bytes_per_step']['tp'] / 1024 ** 3:.2f} GB"),
@@ -318,3 +321,9 @@ def test_the_docs_quote_what_make_plan_prints(capsys):
     assert quote_mismatches(capsys) == []
     changed = quote_mismatches(capsys, change=lambda row: row.update(samples_per_sec=row["samples_per_sec"] * 1.01))
     assert len(changed) == len(QUOTED)
+    # the original's step (its attention cast its input three times), which the published bs1024_opt run ran
+    shape = dataclasses.replace(shape_of("bs1024_opt"), attention_input_casts=perf_model.ORIGINAL_ATTENTION_INPUT_CASTS)
+    original = predict(shape, SYSTEMS["A100-40GB"], Layout(dp=64), 1024, "fp16")["samples_per_sec"]
+    with open(os.path.join(REPO_ROOT, "docs", "answers.md")) as f:
+        assert f"it predicts {original:,.0f}, and the published run reached {100 * 2570 / original:.0f}% of that" in \
+            " ".join(f.read().split())

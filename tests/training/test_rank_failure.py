@@ -275,9 +275,9 @@ def test_ranks_that_see_different_data_stop_before_training_in_one_line(tmp_path
     console = "".join(outputs)
     errors = [line for line in console.splitlines() if line.startswith("error: ")]
     assert codes == [2, 2], (codes, console[-3000:])
-    assert errors == ["error: the ranks see different training data: rank 1 has 24 samples where the other 1 have 48; "
-                      "every rank must read the same files: check that every node sees the same data folder (a copy "
-                      "still running, a stale or partial mount), then start again"], console[-3000:]
+    assert errors == ["error: the ranks see different training data: rank 1 has 24 samples where the other rank has "
+                      "48; every rank must read the same files: check that every node sees the same data folder (a "
+                      "copy still running, a stale or partial mount), then start again"], console[-3000:]
     assert "Traceback" not in console and "Time taken for epoch" not in console
 
 
