@@ -140,7 +140,7 @@ def test_nccl_is_told_the_gpu_and_every_group_the_timeout(monkeypatch, backend, 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "0")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    fake_store = object()
+    fake_store = dist.HashStore()  # rank 0 writes its job id in it (check_same_job)
     monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(fake_store, 0, 1)]))
     monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
     assert rendezvous.init_process_group((0, "127.0.0.1", 0), 1, backend, "GPU-uuid", 60, 42) is fake_store
