@@ -452,10 +452,11 @@ def hold_here(where):
 
 
 def stuck():  # the main thread waits in C without the GIL, as in a process group's teardown, and never returns
-    print("HOLD destroy", flush=True)
     libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)
-    libc.pthread_mutex_lock(mutex)
-    libc.pthread_mutex_lock(mutex)
+    lock = libc.pthread_mutex_lock
+    lock(mutex)
+    print("HOLD destroy", flush=True)
+    lock(mutex)
 
 
 if {ending_off}:
@@ -556,6 +557,7 @@ def test_a_signal_while_the_main_thread_waits_in_the_teardown_ends_the_run_at_on
     process, log_path, _ = start_late(tmp_path, era5_dir, "destroy", 4, thread_off=switched_off)
     try:
         wait_until(process, log_path, lambda: "HOLD destroy" in log_path.read_text(), "the teardown")
+        time.sleep(0.5)  # in C by now: a signal in the last bytecodes after the print would meet the Python handler
         process.send_signal(signal.SIGTERM)
         if switched_off:
             with pytest.raises(subprocess.TimeoutExpired):
