@@ -104,6 +104,12 @@ def run_command(args, nproc=1, timeout=600, gpu=False):
                           timeout=timeout)
 
 
+def plain_rank_env(rank, ranks, port, **extra):
+    """The environment of rank `rank` of `ranks` plain processes (no launcher) meeting on localhost over gloo."""
+    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(ranks), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **extra)
+
+
 def run_plain_ranks(argv, ranks, log_dir, timeout=120):
     """`ranks` processes of `argv` over gloo, each told its rank (no launcher: each one's exit code and output),
     logging to files in `log_dir` (a full pipe would stall a rank). Returns (exit codes, outputs, time of the last
@@ -111,8 +117,7 @@ def run_plain_ranks(argv, ranks, log_dir, timeout=120):
     port = free_port()
     processes = []
     for rank in range(ranks):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(ranks), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        env = plain_rank_env(rank, ranks, port)
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w+")
         processes.append((subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     codes, outputs, last_exit = [], [], 0.0

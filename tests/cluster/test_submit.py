@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, free_port, scalar_points
+from tests.conftest import REPO_ROOT, free_port, plain_rank_env, scalar_points
 
 FAKEBIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakebin")
 SUBMIT_SCRIPTS = ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh")
@@ -601,14 +601,6 @@ def test_a_rank_that_reaches_another_jobs_store_stops_in_one_line():
     check_same_job(outside, 1, "localhost", 29500, job="")
 
 
-def plain_rank(argv, rank, port, job, log):
-    env = {name: value for name, value in os.environ.items()
-           if name not in LAUNCH_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", SLURM_JOB_ID=job)
-    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.long
 @pytest.mark.parametrize("checked", [True, pytest.param(False, marks=pytest.mark.long)])
@@ -628,7 +620,8 @@ def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_
         argv = [sys.executable, str(script), "--config", "tiny", "--data_dir", era5_dir, "--num_iters", str(iters),
                 "--expdir", str(tmp_path / name), "--num_data_workers", "0", "--dist_timeout", "15"]
         logs = [open(tmp_path / f"{name}.{rank}.log", "w+") for rank in range(2)]
-        return [plain_rank(argv, rank, port, name, log) for rank, log in enumerate(logs)], logs
+        return [subprocess.Popen(argv, cwd=REPO_ROOT, env=plain_rank_env(rank, 2, port, SLURM_JOB_ID=name),
+                                 stdout=log, stderr=subprocess.STDOUT) for rank, log in enumerate(logs)], logs
 
     first, first_logs = job("111", 400)
     deadline = time.time() + 120

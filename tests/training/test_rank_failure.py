@@ -11,6 +11,7 @@ import re
 import sys
 
 import pytest
+import torch.distributed
 
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, run_plain_ranks
@@ -176,24 +177,6 @@ def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local
         assert said.endswith("starting again resumes from 'ckpt.pt' (iteration 12)"), said
 
 
-class ClaimStore:
-    """The calls of the rendezvous store that claim_user_error makes, as TCPStore answers them."""
-
-    def __init__(self, **keys):
-        self.keys = {key: value.encode() for key, value in keys.items()}
-
-    def check(self, keys):
-        return all(key in self.keys for key in keys)
-
-    def set(self, key, value):
-        self.keys[key] = str(value).encode()
-
-    def compare_set(self, key, expected, desired):
-        if self.keys.get(key, b"") == expected.encode():
-            self.keys[key] = desired.encode()
-        return self.keys[key]
-
-
 @pytest.mark.parametrize("rank, keys, claimed", [
     (0, {}, True),                  # rank 0 says it at once
     (1, {"user_error": "0"}, False),  # rank 0 found it too: rank 1 leaves quietly, marked for rank 0's linger
@@ -202,15 +185,17 @@ class ClaimStore:
 ])
 def test_the_first_rank_to_claim_a_user_error_says_it(monkeypatch, rank, keys, claimed):
     from utils import comm
-    store = ClaimStore(**keys)
+    store = torch.distributed.HashStore()  # answers check, set and compare_set as the rendezvous TCPStore does
+    for key, value in keys.items():
+        store.set(key, value)
     monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
     monkeypatch.setattr(comm, "USER_ERROR_WAIT_S", 0.1)
     monkeypatch.setitem(comm._host, "store", store)
     assert comm.claim_user_error() == claimed
     if claimed:
-        assert store.keys["user_error"] == str(rank).encode()
+        assert store.get("user_error") == str(rank).encode()
     else:
-        assert store.keys[f"alive/{rank}"] == b"1"
+        assert store.get(f"alive/{rank}") == b"1"
 
 
 @pytest.mark.parametrize("rank, claimed, line, announced", [
