@@ -1,5 +1,6 @@
-"""Joining the process group: the rendezvous behind comm.init, with its checks (launch variables, a rank 0 that never
-comes, another job's rank 0 on the same port, two ranks on one GPU) and torchrun's restarts. Every failure a user
+"""Joining the process group: the rendezvous behind comm.init, with its checks (launch variables, room for the job's
+sockets, a rank 0 that never comes, another job's rank 0 on the same port, two ranks on one GPU) and torchrun's
+restarts. Every failure a user
 can cause ends in one line (UserError).
 
 The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout bounds every collective afterwards
@@ -7,7 +8,9 @@ The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout
 """
 import datetime
 import logging
+import math
 import os
+import resource
 import socket
 import time
 
@@ -28,6 +31,37 @@ def launch_settings(world_size, timeout_s):
     return int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
+# the open files (file descriptors) of a rank before its sockets to the others: about 30 measured on torch 2.14 over
+# gloo (its libraries' pipes and events, the store's client, gloo's listener)
+RANK_OWN_FILES = 32
+SPARE_FILES = 1024  # what the rank opens later: loader workers' pipes and shared batches, data files, NCCL, logs
+
+
+def raise_open_file_limit(world_size, rank, hosts_store=True):
+    """Make room for this job's sockets. Gloo's groups are full meshes (the host's group spans every rank: a socket to
+    each other rank) and rank 0 hosts the rendezvous store (a connection from each other rank; torchrun's agent holds
+    it instead: `hosts_store` False), so rank 0 of N ranks holds about 2N open files, 2,048 at 1,024 GPUs. Many
+    systems start a process with a soft limit of 1,024 (`ulimit -n`) below a hard limit it may raise itself: the soft
+    limit is raised to what rank 0 needs plus room for the rest, up to the hard limit. A hard limit below rank 0's
+    need is one line (without it gloo aborts rank 0 with 'accept: Too many open files' and the others end in
+    tracebacks or wait). Every rank checks rank 0's need, so that ranks with the same limits stop alike."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = (2 if hosts_store else 1) * (world_size - 1) + RANK_OWN_FILES
+    ceiling = math.inf if hard == resource.RLIM_INFINITY else hard
+    if ceiling < need:
+        raise UserError(f"{world_size} ranks need about {need} open files on rank 0 (a socket to every other rank, "
+                        f"and the rendezvous store's connections), but a process here may open at most {hard} "
+                        "(the hard limit, `ulimit -Hn`); ask the system's administrators for more, or run fewer "
+                        "ranks")
+    wanted = need + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = int(min(ceiling, wanted))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        if rank == 0:
+            logging.info(f"open files: the soft limit raised from {soft} to {raised} for {world_size} ranks "
+                         "(a socket to every other rank)")
+
+
 def init_process_group(settings, world_size, backend, gpu, timeout_s, collective_timeout_s=600):
     """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
     `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
@@ -36,10 +70,12 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s, collective
     it instead of each bootstrapping its own over the network. Returns the rendezvous store (the ranks' notes when
     one of them fails: utils/comm.py)."""
     rank, addr, port = settings
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    raise_open_file_limit(world_size, rank, hosts_store=not agent_store)
     logging.info(f"rank {rank} waiting for {world_size} ranks at {addr}:{port} "
                  f"(timeout {timeout_s:g} s, --dist_timeout)")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if agent_store:
         # torchrun's agent hosts the store and restarts every rank after a failure; the keys of each attempt
         # are kept apart, so a restarted rank never reads an address its dead predecessor published
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)

@@ -556,8 +556,9 @@ srun -n 1 bash -c '{trap}exec python -m torch.distributed.run --standalone --npr
 def torchrun_job(tmp_path, era5_dir, protected):
     script = tmp_path / "torchrun_job.sh"
     # the twin's ranks take longer steps: a stop of theirs must not beat the stand-in's kill on a fast machine
-    script.write_text(TORCHRUN_JOB.format(trap="trap \"\" USR1; " if protected else "", repo=REPO_ROOT,
-                                          data=era5_dir, expdir=tmp_path / "runs", batch=8 if protected else 32))
+    trap = "trap \"\" USR1; ulimit -n $(ulimit -Hn); " if protected else ""  # docs/cluster.md's, or none
+    script.write_text(TORCHRUN_JOB.format(trap=trap, repo=REPO_ROOT, data=era5_dir, expdir=tmp_path / "runs",
+                                          batch=8 if protected else 32))
     run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "00"
     env = job_env(tmp_path, FAKE_SLURM_SIGNAL_WHEN=f"{run_dir / 'out.log'}::Total validation time",
                   REQUEUE_MARKER=str(tmp_path / "requeue-marker"))
