@@ -1,7 +1,6 @@
 """Joining the process group: the rendezvous behind comm.init, with its checks (launch variables, room for the job's
 sockets, a rank 0 that never comes, another job's rank 0 on the same port, two ranks on one GPU) and torchrun's
-restarts. Every failure a user
-can cause ends in one line (UserError).
+restarts. Every failure a user can cause ends in one line (UserError).
 
 The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout bounds every collective afterwards
 (--collective_timeout).
