@@ -389,6 +389,7 @@ def broadcast_from_rank0(obj):
         store.set(key, pickle.dumps(obj))
         return obj
     pause, beat, beat_moved = RANK0_POLL_S[0], None, time.monotonic()
+    longest = rendezvous.store_poll_pause(world_size_to_be(), RANK0_POLL_S[1], requests=3)  # slower on big jobs
     try:
         while not store.check([key]):  # check, not wait: a wait that times out warns on stderr every time
             if store.check(["failed"]):  # rank 0 said why it stops (a OneRankError): its line is the job's last
@@ -399,7 +400,7 @@ def broadcast_from_rank0(obj):
             elif time.monotonic() - beat_moved > RANK0_SILENT_S:  # rank 0 is gone; the store (torchrun's) is not
                 raise RuntimeError(f"Connection closed by peer: rank 0's heartbeat stopped {RANK0_SILENT_S:g} s ago")
             time.sleep(pause)
-            pause = min(2 * pause, RANK0_POLL_S[1])
+            pause = min(2 * pause, longest)
         obj = pickle.loads(store.get(key))
         store.add(f"{key}/read", 1)
         return obj
@@ -488,12 +489,12 @@ def claim_user_error():
     store, rank = _host.get("store"), get_world_rank()
     try:
         if rank != 0:
-            deadline = time.time() + USER_ERROR_WAIT_S
+            deadline, pause = time.time() + USER_ERROR_WAIT_S, rendezvous.store_poll_pause(world_size_to_be(), 0.05)
             while time.time() < deadline and not store.check(["user_error"]):
-                time.sleep(0.05)
+                time.sleep(pause)
         claimed = store.compare_set("user_error", "", str(rank)) == str(rank).encode()
         if not claimed:
-            store.set(f"alive/{rank}", "1")
+            mark_alive(store, rank)
         return claimed
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
         return rank == 0
@@ -510,23 +511,22 @@ def explain_lost_peer(err):
     if any(pattern in str(err) for pattern in TIMED_OUT):
         return explain_timeout(rank, world)
     cause = next((pattern for pattern in PEER_LOST if pattern in str(err)), "a collective failed")
-    store, store_gone = _host.get("store"), False
+    store = _host.get("store")
     try:
-        store.set(f"alive/{rank}", "1")
-        deadline = time.time() + LOST_PEER_CENSUS_S
+        mark_alive(store, rank)
+        deadline, pause = time.time() + LOST_PEER_CENSUS_S, rendezvous.store_poll_pause(world, 0.05)
         while time.time() < deadline and not store.check(["failed"]):
-            time.sleep(0.05)
+            time.sleep(pause)
         failed = store.check(["failed"])
-        marked = [other for other in range(world) if other == rank or store.check([f"alive/{other}"])]
+        lost = None if failed else lost_if_lowest_alive(store, rank, world)
         if rank == 0:
             linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return None
-        failed, marked, store_gone = False, [rank], True
-    if failed or rank != min(marked):
+        lost = [0] if rank != 0 else []
+    if lost is None:
         return None  # the failing rank's line says why, or a lower surviving rank's
-    lost = ([0] if rank != 0 else []) if store_gone else [other for other in range(world) if other not in marked]
     named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
     who = f"rank{'s' if len(lost) > 1 else ''} {named}" if lost else "another rank"
     resume = _host.get("checkpoint")
@@ -542,7 +542,7 @@ def explain_timeout(rank, world):
     store, first = _host.get("store"), True
     try:
         first = store.add("timed_out", 1) == 1
-        store.set(f"alive/{rank}", "1")
+        mark_alive(store, rank)
         if first:
             store.set("failed", str(rank))
         if rank == 0:
@@ -559,17 +559,33 @@ def explain_timeout(rank, world):
             f"is expected; {again}")
 
 
+def mark_alive(store, rank):
+    """Mark this rank alive in the store, once: under a key of its own (which the rank that names the lost ones
+    reads) and in a count (which rank 0 reads in one request, however many ranks the job has)."""
+    if store.add(f"alive/{rank}", 1) == 1:
+        store.add("alive_count", 1)
+
+
+def lost_if_lowest_alive(store, rank, world):
+    """The ranks not marked alive, if this rank is the lowest marked one (the one to name them), else None. A rank
+    asks only about the ranks below it, up to the first marked one (one request when rank 0 lives): the job's
+    requests grow as its ranks, not as their square (4,096 ranks each asking about every other: 16.8 million
+    requests to one store, minutes)."""
+    if any(store.check([f"alive/{other}"]) for other in range(rank)):
+        return None
+    return list(range(rank)) + [other for other in range(rank + 1, world) if not store.check([f"alive/{other}"])]
+
+
 def linger_for_the_others(store, world):
     """Rank 0 leaving on a failure: wait (at most LOST_PEER_LINGER_S) until every rank has marked itself alive or
     failed in the store its process may hold, so that none finds the store gone while it asks."""
     deadline = time.time() + LOST_PEER_LINGER_S
-    failed = store.check(["failed"])
     while time.time() < deadline:
-        failing = int(store.get("failed")) if failed else None
-        if all(other == failing or store.check([f"alive/{other}"]) for other in range(world)):
+        failing = int(store.get("failed")) if store.check(["failed"]) else None
+        failing_unmarked = failing is not None and not store.check([f"alive/{failing}"])
+        if store.add("alive_count", 0) >= world - failing_unmarked:
             return
         time.sleep(0.05)
-        failed = failed or store.check(["failed"])
 
 
 def synchronize(device):

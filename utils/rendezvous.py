@@ -119,6 +119,18 @@ def check_same_job(store, rank, addr, port, job=None):
                            "port; set MASTER_PORT to a free port and submit again")
 
 
+# The rendezvous store is one server (in rank 0's process, or torchrun's agent) that every rank asks; about 100,000
+# requests a second on one core. Ranks that poll it keep their polls to this many a second for the whole job, so a
+# wait of 4,096 ranks takes at most a tenth of it, leaving the rest for the others' real work (NCCL's start, a note).
+STORE_POLLS_PER_S = 10_000
+
+
+def store_poll_pause(world_size, fastest, requests=1):
+    """Seconds between a rank's looks at the store (each `requests` requests) while `world_size` ranks look alike:
+    `fastest` for a small job, longer past STORE_POLLS_PER_S (0.05 s for 8 ranks, 0.41 s for 4,096)."""
+    return max(fastest, world_size * requests / STORE_POLLS_PER_S)
+
+
 def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
     """Refuse, on every rank, two ranks of one node on the same GPU (more ranks than GPUs, or a wrong
     CUDA_VISIBLE_DEVICES): NCCL would fail later with "Duplicate GPU detected". Each rank counts itself in under its
@@ -127,12 +139,12 @@ def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):
     if store.add(f"gpu_claims/{host}/{gpu}", 1) == 2:  # this GPU's second claim: count the GPU once
         store.add("gpu_claims/shared", 1)
     store.add("gpu_claims/ranks", 1)
-    deadline = time.monotonic() + timeout
+    deadline, pause = time.monotonic() + timeout, store_poll_pause(world_size, 0.05)
     while store.add("gpu_claims/ranks", 0) < world_size:
         if time.monotonic() > deadline:
             raise UserError(f"not every rank of {world_size} reached the GPU check within {timeout:g} s; start every "
                             "rank, or raise --dist_timeout")
-        time.sleep(0.05)
+        time.sleep(pause)
     shared = store.add("gpu_claims/shared", 0)
     if shared:
         raise UserError(f"{shared} GPU(s) are shared by two or more ranks of one node (NCCL needs one GPU per rank); "

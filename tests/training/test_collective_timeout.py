@@ -216,6 +216,7 @@ def test_a_rank_waiting_for_rank_0_gives_up_when_its_heartbeat_stops(monkeypatch
     monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "is_dry_run", lambda: False)
     monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 2)
     monkeypatch.setattr(comm, "RANK0_SILENT_S", 0.3)
     monkeypatch.setattr(comm, "RANK0_POLL_S", (0.01, 0.01))
     store = PollStore(beating, post_after=None if not beating else 100)  # 100 looks: about 1 s, over 0.3 s

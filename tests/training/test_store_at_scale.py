@@ -1,0 +1,112 @@
+"""The rendezvous store at scale: it is one server (in rank 0's process, or torchrun's agent; about 100,000 requests a
+second on a core) that every rank asks, so what the ranks ask of it must grow as the job, not as its square. When a
+rank is lost, each survivor asks only about the ranks below it, up to the first one alive, and the lowest survivor
+alone names the lost ones (before: every rank asked about every rank, 16.8 million requests at 4,096 ranks, minutes
+before the job's one line); rank 0 waits for the others' marks on one count; ranks that poll slow down as the job
+grows (utils/rendezvous.store_poll_pause). Many ranks stood in for by one process and a store that counts requests.
+
+A failure points to utils/comm.py (mark_alive, lost_if_lowest_alive, linger_for_the_others) or utils/rendezvous.py
+(store_poll_pause, check_one_rank_per_gpu).
+"""
+import time
+
+import pytest
+import torch.distributed as dist
+
+from utils import comm, rendezvous
+from utils.errors import UserError
+
+
+class CountingStore:
+    """torch's HashStore, counting the requests made of it."""
+
+    def __init__(self):
+        self.store, self.requests = dist.HashStore(), 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.requests += 1
+            return method(*args)
+        return counted
+
+
+def census(world, lost):
+    """A store in which every rank of `world` but `lost` has marked itself alive."""
+    store = CountingStore()
+    for rank in range(world):
+        if rank not in lost:
+            comm.mark_alive(store, rank)
+    store.requests = 0
+    return store
+
+
+def lost_as_before(store, rank, world):
+    """The survivors' question as it was (the twin): every rank asks about every rank, the lowest marked speaks."""
+    marked = [other for other in range(world) if other == rank or store.check([f"alive/{other}"])]
+    return None if rank != min(marked) else [other for other in range(world) if other not in marked]
+
+
+@pytest.mark.parametrize("lost", [[5], [0], [0, 1, 2, 3], [1020, 1023]])
+def test_the_lowest_survivor_alone_names_the_lost_ranks_in_requests_that_grow_as_the_job(lost):
+    world = 1024
+    store = census(world, lost)
+    said = {rank: comm.lost_if_lowest_alive(store, rank, world) for rank in range(world) if rank not in lost}
+    speakers = {rank: names for rank, names in said.items() if names is not None}
+    assert speakers == {min(set(range(world)) - set(lost)): lost}
+    # a rank asks about the lost ones below it and the first survivor; the speaker asks about the whole world
+    assert store.requests <= (len(lost) + 2) * world, store.requests
+
+
+def test_twin_as_before_every_rank_asks_about_every_rank():
+    world = 1024
+    store = census(world, [5])
+    said = {rank: lost_as_before(store, rank, world) for rank in range(world) if rank != 5}
+    assert {rank: names for rank, names in said.items() if names is not None} == {0: [5]}  # the same answer,
+    assert store.requests > 100 * world  # for about world squared requests
+
+
+@pytest.mark.parametrize("failing, unmarked, waits", [(7, [7], False), (None, [], False), (None, [9], True)])
+def test_rank_0_waits_for_the_others_marks_on_one_count(monkeypatch, failing, unmarked, waits):
+    """Rank 0 leaving on a failure (its process may hold the store) waits until every rank but the failing one has
+    marked itself, reading a count: a few requests a look, at 4,096 ranks as at 2; a rank that never marks itself
+    is waited for LOST_PEER_LINGER_S."""
+    monkeypatch.setattr(comm, "LOST_PEER_LINGER_S", 0.3)
+    world = 4096
+    store = census(world, unmarked)
+    if failing is not None:
+        store.set("failed", str(failing))
+    store.requests = 0
+    start = time.monotonic()
+    comm.linger_for_the_others(store, world)
+    assert (time.monotonic() - start >= 0.3) == waits
+    looks = 0.3 / 0.05 + 1 if waits else 1
+    assert store.requests <= 4 * looks, store.requests
+
+
+def test_a_rank_marks_itself_once():
+    store = CountingStore()
+    for _ in range(3):
+        comm.mark_alive(store, 4)
+    assert store.check(["alive/4"]) and store.add("alive_count", 0) == 1
+
+
+def test_polls_slow_down_as_the_job_grows():
+    assert rendezvous.store_poll_pause(8, 0.05) == 0.05  # a small job polls as fast as before
+    assert rendezvous.store_poll_pause(4096, 0.05) == pytest.approx(0.4096)
+    assert rendezvous.store_poll_pause(4096, 0.5, requests=3) == pytest.approx(1.2288)  # broadcast_from_rank0's
+    # every rank's polls together stay at STORE_POLLS_PER_S
+    for world in (2, 64, 4096, 100_000):
+        assert world / rendezvous.store_poll_pause(world, 0.05) <= rendezvous.STORE_POLLS_PER_S
+
+
+def test_the_gpu_check_of_a_big_job_polls_a_few_times_a_second():
+    """check_one_rank_per_gpu waits for every rank's claim: a rank of 4,096 (the others never come here) looks about
+    2.4 times a second, not 20 (82,000 requests a second at 4,096 ranks while they start)."""
+    store = CountingStore()
+    start = time.monotonic()
+    with pytest.raises(UserError, match="not every rank of 4096 reached the GPU check within 1 s"):
+        rendezvous.check_one_rank_per_gpu(store, 4096, "GPU-0", 1.0, host="nid001")
+    looks = store.requests - 2  # its claim: two requests
+    assert time.monotonic() - start >= 1.0 and looks <= 4, looks
