@@ -388,8 +388,10 @@ def broadcast_from_rank0(obj):
     if get_world_rank() == 0:
         store.set(key, pickle.dumps(obj))
         return obj
-    pause, beat, beat_moved = RANK0_POLL_S[0], None, time.monotonic()
-    longest = rendezvous.store_poll_pause(world_size_to_be(), RANK0_POLL_S[1], requests=3)  # slower on big jobs
+    # 3 requests a look, from every other rank: slower on big jobs (at 4,096 ranks, every 1.2 s from the start)
+    world = world_size_to_be()
+    longest = rendezvous.store_poll_pause(world, RANK0_POLL_S[1], requests=3)
+    pause, beat, beat_moved = rendezvous.store_poll_pause(world, RANK0_POLL_S[0], requests=3), None, time.monotonic()
     try:
         while not store.check([key]):  # check, not wait: a wait that times out warns on stderr every time
             if store.check(["failed"]):  # rank 0 said why it stops (a OneRankError): its line is the job's last
@@ -519,12 +521,13 @@ def explain_lost_peer(err):
             time.sleep(pause)
         failed = store.check(["failed"])
         lost = None if failed else lost_if_lowest_alive(store, rank, world)
-        if rank == 0:
-            linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return None
         lost = [0] if rank != 0 else []
+    if rank == 0 and store is not None:
+        with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
+            linger_for_the_others(store, world)
     if lost is None:
         return None  # the failing rank's line says why, or a lower surviving rank's
     named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")

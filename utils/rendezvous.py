@@ -43,7 +43,9 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
     systems start a process with a soft limit of 1,024 (`ulimit -n`) below a hard limit it may raise itself: the soft
     limit is raised to what rank 0 needs plus room for the rest, up to the hard limit. A hard limit below rank 0's
     need is one line (without it gloo aborts rank 0 with 'accept: Too many open files' and the others end in
-    tracebacks or wait). Every rank checks rank 0's need, so that ranks with the same limits stop alike."""
+    tracebacks or wait). Every rank checks rank 0's need, so that ranks with the same limits (a partition's nodes are
+    configured alike) stop together, rank 0 saying why; a node whose hard limit is below rank 0's would stop its
+    ranks without a line of their own."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = (2 if hosts_store else 1) * (world_size - 1) + RANK_OWN_FILES
     ceiling = math.inf if hard == resource.RLIM_INFINITY else hard
@@ -53,9 +55,14 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
                         "(the hard limit, `ulimit -Hn`); ask the system's administrators for more, or run fewer "
                         "ranks")
     wanted = need + SPARE_FILES
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        raised = int(min(ceiling, wanted))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    raised = int(min(ceiling, wanted))
+    if soft != resource.RLIM_INFINITY and soft < raised:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        except (ValueError, OSError) as err:  # a container that refuses: the job may fit all the same
+            logging.warning(f"open files: could not raise the soft limit from {soft} to {raised} ({err}); if rank 0 "
+                            "fails with 'Too many open files', raise `ulimit -n` before starting the ranks")
+            return
         if rank == 0:
             logging.info(f"open files: the soft limit raised from {soft} to {raised} for {world_size} ranks "
                          "(a socket to every other rank)")

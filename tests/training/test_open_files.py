@@ -2,8 +2,8 @@
 hosts the rendezvous store (a connection from every other rank), so rank 0 of N ranks holds about 2N open files,
 more than the 1,024 many systems start a process with (`ulimit -n`) once N passes about 500. Each rank raises its
 soft limit up to the hard one before the ranks meet (utils/rendezvous.raise_open_file_limit); a hard limit below
-rank 0's need is one line. Here the limit is injected: 4 plain processes over gloo whose script lowers its own limit
-below what rank 0 of 4 needs (about 37), before it joins.
+rank 0's need is one line. Here the limit is injected: 4 plain processes over gloo whose script lowers its own soft
+limit to 30 before it joins, below the 37 open files rank 0 of 4 holds once they meet.
 
 A failure points to utils/rendezvous.py (raise_open_file_limit).
 """
@@ -16,8 +16,8 @@ from tests.conftest import REPO_ROOT, run_plain_ranks
 from utils import rendezvous
 from utils.errors import UserError
 
-# each rank: its open-file limit lowered to `soft`/`hard` (as a node's defaults would be), then the ranks meet, sum a
-# tensor and leave; `switched_off` takes the raise away (the twin)
+# each rank: its open-file limit lowered to `soft`/`hard` (as a node's defaults would be; None: the hard limit it has),
+# then the ranks meet, sum a tensor and leave; `switched_off` takes the raise away (the twin)
 RANK_SCRIPT = """\
 import os, resource, sys
 sys.path.insert(0, {root!r})
@@ -28,7 +28,7 @@ from utils.errors import exit_on_user_error
 from utils.logging_utils import config_logger
 
 config_logger()
-resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))
+resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard} or resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 if {switched_off}:
     utils.rendezvous.raise_open_file_limit = lambda *args, **kwargs: None
 
@@ -46,7 +46,12 @@ main()
 """
 
 
-def run_ranks(tmp_path, soft, hard, switched_off=False, timeout=60):
+HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # the ranks inherit it
+needs_room = pytest.mark.skipif(HARD != resource.RLIM_INFINITY and HARD < 1062,
+                                reason=f"this machine's hard limit of open files ({HARD}) is below 1062")
+
+
+def run_ranks(tmp_path, soft, hard=None, switched_off=False, timeout=60):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(root=str(REPO_ROOT), soft=soft, hard=hard, switched_off=switched_off))
     return run_plain_ranks([sys.executable, str(script)], 4, tmp_path, timeout=timeout)
@@ -54,8 +59,9 @@ def run_ranks(tmp_path, soft, hard, switched_off=False, timeout=60):
 
 @pytest.mark.multiprocess
 @pytest.mark.compat
+@needs_room
 def test_ranks_started_with_too_few_open_files_raise_the_soft_limit_and_meet(tmp_path):
-    codes, outputs, _ = run_ranks(tmp_path, soft=30, hard=20000)
+    codes, outputs, _ = run_ranks(tmp_path, soft=30)
     assert codes == [0, 0, 0, 0], outputs
     for rank, output in enumerate(outputs):
         assert f"rank {rank}: sum 4, soft limit 1062" in output, output  # 2 x 3 + 32 needed, 1024 spare
@@ -66,7 +72,7 @@ def test_ranks_started_with_too_few_open_files_raise_the_soft_limit_and_meet(tmp
 @pytest.mark.multiprocess
 @pytest.mark.long
 def test_twin_without_the_raise_rank_0_aborts_on_too_many_open_files(tmp_path):
-    codes, outputs, _ = run_ranks(tmp_path, soft=30, hard=20000, switched_off=True, timeout=90)
+    codes, outputs, _ = run_ranks(tmp_path, soft=30, switched_off=True, timeout=90)
     assert codes[0] != 0 and "Too many open files" in outputs[0], outputs
     assert not any("sum 4" in output for output in outputs), outputs
 
@@ -84,9 +90,15 @@ def test_a_hard_limit_below_rank_0s_need_stops_every_rank_in_one_line(tmp_path):
 @pytest.fixture
 def limits(monkeypatch):
     """The module's view of the limits, in a dict the test sets (the process's own are left alone)."""
-    now = {"limits": (1024, 4096)}
+    now = {"limits": (1024, 4096), "calls": 0}
+
+    def setrlimit(which, limits):
+        now["calls"] += 1
+        if now.get("refuse"):
+            raise ValueError("not allowed")
+        now["limits"] = limits
     monkeypatch.setattr(rendezvous.resource, "getrlimit", lambda which: now["limits"])
-    monkeypatch.setattr(rendezvous.resource, "setrlimit", lambda which, limits: now.update(limits=limits))
+    monkeypatch.setattr(rendezvous.resource, "setrlimit", setrlimit)
     return now
 
 
@@ -104,6 +116,20 @@ def test_the_soft_limit_is_raised_to_what_rank_0_needs_and_no_further_than_the_h
     limits["limits"] = (soft, hard)
     rendezvous.raise_open_file_limit(world, 3, hosts_store)
     assert limits["limits"] == after
+
+
+def test_a_limit_already_at_the_hard_one_is_left_alone_and_not_said(limits, caplog):
+    limits["limits"] = (2500, 2500)  # between rank 0's need (2,078) and the need with room (3,102)
+    with caplog.at_level("INFO"):
+        rendezvous.raise_open_file_limit(1024, 0)
+    assert limits["calls"] == 0 and "open files" not in caplog.text
+
+
+def test_a_soft_limit_that_cannot_be_raised_is_a_warning_and_the_job_goes_on(limits, caplog):
+    limits["refuse"] = True
+    rendezvous.raise_open_file_limit(4, 0)
+    assert limits["calls"] == 1 and limits["limits"] == (1024, 4096)
+    assert "open files: could not raise the soft limit from 1024 to 1062 (not allowed)" in caplog.text
 
 
 def test_a_hard_limit_below_rank_0s_need_is_refused_on_every_rank(limits):

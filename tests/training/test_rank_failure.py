@@ -149,10 +149,10 @@ def test_a_rank_killed_without_a_word_is_named_with_the_checkpoint_to_resume_fro
 class GoneStore:
     """A rendezvous store whose host has died: every call fails as TCPStore's do."""
 
-    def set(self, key, value):
+    def set(self, *args):
         raise RuntimeError("Broken pipe")
 
-    check = get = set
+    check = get = add = set
 
 
 @pytest.mark.parametrize("rank, local_rank, line", [

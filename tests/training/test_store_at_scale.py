@@ -8,6 +8,8 @@ grows (utils/rendezvous.store_poll_pause). Many ranks stood in for by one proces
 A failure points to utils/comm.py (mark_alive, lost_if_lowest_alive, linger_for_the_others) or utils/rendezvous.py
 (store_poll_pause, check_one_rank_per_gpu).
 """
+import pickle
+import threading
 import time
 
 import pytest
@@ -67,7 +69,12 @@ def test_twin_as_before_every_rank_asks_about_every_rank():
     assert store.requests > 100 * world  # for about world squared requests
 
 
-@pytest.mark.parametrize("failing, unmarked, waits", [(7, [7], False), (None, [], False), (None, [9], True)])
+@pytest.mark.parametrize("failing, unmarked, waits", [
+    (7, [7], False),  # the failing rank (announce_failure) never marks itself
+    (None, [], False),
+    (None, [9], True),
+    (7, [9], True),  # the failing rank marked itself (the first to time out): rank 9 is still awaited
+])
 def test_rank_0_waits_for_the_others_marks_on_one_count(monkeypatch, failing, unmarked, waits):
     """Rank 0 leaving on a failure (its process may hold the store) waits until every rank but the failing one has
     marked itself, reading a count: a few requests a look, at 4,096 ranks as at 2; a rank that never marks itself
@@ -99,6 +106,23 @@ def test_polls_slow_down_as_the_job_grows():
     # every rank's polls together stay at STORE_POLLS_PER_S
     for world in (2, 64, 4096, 100_000):
         assert world / rendezvous.store_poll_pause(world, 0.05) <= rendezvous.STORE_POLLS_PER_S
+
+
+def test_the_wait_for_rank_0s_post_looks_every_1_2_s_at_4096_ranks(monkeypatch):
+    """broadcast_from_rank0 on a rank of 4,096 whose rank 0 posts after 1.5 s (a checkpoint write): 3 requests a look,
+    a look every 1.23 s (before: from 5 ms, doubling up to 0.5 s: 9 looks, 27 requests, in those 1.5 s)."""
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "is_dry_run", lambda: False)
+    monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 4096)
+    store = CountingStore()
+    monkeypatch.setitem(comm._host, "store", store)
+    monkeypatch.setitem(comm._host, "posts", 0)
+    rank0 = threading.Timer(1.5, lambda: store.store.set("rank0_post/1", pickle.dumps("rank 0's answer")))
+    rank0.start()
+    start = time.monotonic()
+    assert comm.broadcast_from_rank0(None) == "rank 0's answer" and time.monotonic() - start >= 1.5
+    assert store.requests <= 3 * 3 + 2, store.requests  # 2 or 3 looks, then the post read and counted
 
 
 def test_the_gpu_check_of_a_big_job_polls_a_few_times_a_second():
