@@ -7,12 +7,13 @@ records the first signal. The ranks agree on it at the step boundaries (`agreed_
 after the same iteration; the loop then writes a checkpoint and the script exits with EXIT_CODE, which tells the
 submit scripts to requeue the job.
 
-The agreement costs no step anything, at any number of ranks: at each boundary a rank starts an all-reduce (the
-highest signal number any rank received, over gloo on the host: no device sync) and reads the one it started
-AGREEMENT_LAG boundaries before, which finished during the steps in between. Every rank reads the same all-reduce
-at the same boundary, so all of them stop at the same one: AGREEMENT_LAG steps after the step the signal came in.
-An agreement at every boundary that waited for its own all-reduce (as before) cost each step a round of gloo's
-ring over all ranks plus the ranks' skew: a few ms at 64 ranks, tens at 512 (`make bench-agreement`).
+The agreement costs no step anything while one all-reduce takes less than AGREEMENT_LAG steps (gloo's ring: 2(N-1)
+messages over N ranks; measured up to 16 CPU ranks, docs/cluster.md): at each boundary a rank starts an all-reduce
+(the highest signal number any rank received, over gloo on the host: no device sync) and reads the one it started
+AGREEMENT_LAG boundaries before, which finished during the steps in between. Every rank reads the same all-reduce at
+the same boundary, so all of them stop at the same one: AGREEMENT_LAG steps after the step the signal came in. An
+agreement at every boundary that waited for its own all-reduce (as before) cost each step a round of gloo's ring
+over all ranks plus the ranks' skew: 9 ms (median) at 16 CPU ranks on 2 cores (`make bench-agreement`).
 
 From the first line of a training script (`lifecycle/early_signals.py`, imported before torch) the signals are recorded,
 and a signal that came before the first step stops the run where the ranks next agree (end of start_run, end of
