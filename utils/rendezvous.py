@@ -34,14 +34,16 @@ def launch_settings(world_size, timeout_s):
 # gloo (its libraries' pipes and events, the store's client, gloo's listener)
 RANK_OWN_FILES = 32
 SPARE_FILES = 1024  # what the rank opens later: loader workers' pipes and shared batches, data files, NCCL, logs
+# (a soft limit that leaves half of it beside the sockets is left alone: a small job on a usual 1,024 fits as before)
 
 
 def raise_open_file_limit(world_size, rank, hosts_store=True):
     """Make room for this job's sockets. Gloo's groups are full meshes (the host's group spans every rank: a socket to
     each other rank) and rank 0 hosts the rendezvous store (a connection from each other rank; torchrun's agent holds
     it instead: `hosts_store` False), so rank 0 of N ranks holds about 2N open files, 2,048 at 1,024 GPUs. Many
-    systems start a process with a soft limit of 1,024 (`ulimit -n`) below a hard limit it may raise itself: the soft
-    limit is raised to what rank 0 needs plus room for the rest, up to the hard limit. A hard limit below rank 0's
+    systems start a process with a soft limit of 1,024 (`ulimit -n`) below a hard limit it may raise itself: a soft
+    limit that leaves less than SPARE_FILES / 2 beside rank 0's sockets is raised to what rank 0 needs plus
+    SPARE_FILES, up to the hard limit. A hard limit below rank 0's
     need is one line (without it gloo aborts rank 0 with 'accept: Too many open files' and the others end in
     tracebacks or wait). Every rank checks rank 0's need, so that ranks with the same limits (a partition's nodes are
     configured alike) stop together, rank 0 saying why; a node whose hard limit is below rank 0's would stop its
@@ -56,7 +58,7 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
                         "ranks")
     wanted = need + SPARE_FILES
     raised = int(min(ceiling, wanted))
-    if soft != resource.RLIM_INFINITY and soft < raised:
+    if soft != resource.RLIM_INFINITY and soft < min(raised, need + SPARE_FILES // 2):
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
         except (ValueError, OSError) as err:  # a container that refuses: the job may fit all the same
