@@ -521,14 +521,13 @@ def explain_lost_peer(err):
             time.sleep(pause)
         failed = store.check(["failed"])
         lost = None if failed else lost_if_lowest_alive(store, rank, world)
+        if rank == 0:
+            with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
+                linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
         if os.environ.get("LOCAL_RANK", "0") != "0":
             return None
         lost = [0] if rank != 0 else []
-    else:
-        if rank == 0:
-            with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
-                linger_for_the_others(store, world)
     if lost is None:
         return None  # the failing rank's line says why, or a lower surviving rank's
     named = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")

@@ -43,11 +43,10 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
     it instead: `hosts_store` False), so rank 0 of N ranks holds about 2N open files, 2,048 at 1,024 GPUs. Many
     systems start a process with a soft limit of 1,024 (`ulimit -n`) below a hard limit it may raise itself: a soft
     limit that leaves less than SPARE_FILES / 2 beside rank 0's sockets is raised to what rank 0 needs plus
-    SPARE_FILES, up to the hard limit. A hard limit below rank 0's
-    need is one line (without it gloo aborts rank 0 with 'accept: Too many open files' and the others end in
-    tracebacks or wait). Every rank checks rank 0's need, so that ranks with the same limits (a partition's nodes are
-    configured alike) stop together, rank 0 saying why; a node whose hard limit is below rank 0's would stop its
-    ranks without a line of their own."""
+    SPARE_FILES, up to the hard limit. A hard limit below rank 0's need is one line (without it gloo aborts rank 0
+    with 'accept: Too many open files' and the others end in tracebacks or wait). Every rank checks rank 0's need, so
+    that ranks with the same limits (a partition's nodes are configured alike) stop together, rank 0 saying why; a
+    node whose hard limit is below rank 0's would stop its ranks without a line of their own."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = (2 if hosts_store else 1) * (world_size - 1) + RANK_OWN_FILES
     ceiling = math.inf if hard == resource.RLIM_INFINITY else hard
@@ -56,8 +55,7 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
                         f"and the rendezvous store's connections), but a process here may open at most {hard} "
                         "(the hard limit, `ulimit -Hn`); ask the system's administrators for more, or run fewer "
                         "ranks")
-    wanted = need + SPARE_FILES
-    raised = int(min(ceiling, wanted))
+    raised = int(min(ceiling, need + SPARE_FILES))
     if soft != resource.RLIM_INFINITY and soft < min(raised, need + SPARE_FILES // 2):
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
