@@ -126,9 +126,10 @@ def check_same_job(store, rank, addr, port, job=None):
                            "port; set MASTER_PORT to a free port and submit again")
 
 
-# The rendezvous store is one server (in rank 0's process, or torchrun's agent) that every rank asks; about 100,000
-# requests a second on one core. Ranks that poll it keep their polls to this many a second for the whole job, so a
-# wait of 4,096 ranks takes at most a tenth of it, leaving the rest for the others' real work (NCCL's start, a note).
+# The rendezvous store is one server (in rank 0's process, or torchrun's agent) that every rank asks; of the order of
+# 100,000 requests a second on one core (a rough count by hand). Ranks that poll it keep their polls to this many a
+# second for the whole job, so a wait of 4,096 ranks takes at most a tenth of it, leaving the rest for the others'
+# real work (NCCL's start, a note).
 STORE_POLLS_PER_S = 10_000
 
 

@@ -3,7 +3,7 @@ hosts the rendezvous store (a connection from every other rank), so rank 0 of N 
 more than the 1,024 many systems start a process with (`ulimit -n`) once N passes about 500. Each rank raises its
 soft limit up to the hard one before the ranks meet (utils/rendezvous.raise_open_file_limit); a hard limit below
 rank 0's need is one line. Here the limit is injected: 4 plain processes over gloo whose script lowers its own soft
-limit to 30 before it joins, below the 37 open files rank 0 of 4 holds once they meet.
+limit to 30 before it joins, below the open files rank 0 of 4 holds once they meet (37, counted by hand in /proc).
 
 A failure points to utils/rendezvous.py (raise_open_file_limit).
 """

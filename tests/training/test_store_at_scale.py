@@ -1,9 +1,10 @@
-"""The rendezvous store at scale: it is one server (in rank 0's process, or torchrun's agent; about 100,000 requests a
-second on a core) that every rank asks, so what the ranks ask of it must grow as the job, not as its square. When a
-rank is lost, each survivor asks only about the ranks below it, up to the first one alive, and the lowest survivor
-alone names the lost ones (before: every rank asked about every rank, 16.8 million requests at 4,096 ranks, minutes
-before the job's one line); rank 0 waits for the others' marks on one count; ranks that poll slow down as the job
-grows (utils/rendezvous.store_poll_pause). Many ranks stood in for by one process and a store that counts requests.
+"""The rendezvous store at scale: it is one server (in rank 0's process, or torchrun's agent; of the order of 100,000
+requests a second on a core) that every rank asks, so what the ranks ask of it must grow as the job, not as its
+square. When a rank is lost, each survivor asks only about the ranks below it, up to the first one alive, and the
+lowest survivor alone names the lost ones (before: every rank asked about every rank, 16.8 million requests at 4,096
+ranks, minutes before the job's one line); rank 0 waits for the others' marks on one count; ranks that poll slow down
+as the job grows (utils/rendezvous.store_poll_pause). Many ranks stood in for by one process and a store that counts
+requests.
 
 A failure points to utils/comm.py (mark_alive, lost_if_lowest_alive, linger_for_the_others) or utils/rendezvous.py
 (store_poll_pause, check_one_rank_per_gpu).
