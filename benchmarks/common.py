@@ -5,6 +5,7 @@ in its own process, which the planner uses too, is planning/dry_run.py's)."""
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,14 @@ def make_data(root, sizes, log=print, names=None):
     return paths
 
 
+def error_line(stderr):
+    """What a failed run says went wrong: its `error:` line, else its exception's line (the last line of a traceback
+    can be a hint printed after it, as Inductor's 'See https://...opcheck'), else its last line."""
+    lines = stderr.strip().splitlines()
+    said = [line for line in lines if line.startswith("error: ") or re.match(r"[A-Za-z_.]*(Error|Exception): ", line)]
+    return (said or lines or ["(no output)"])[-1]
+
+
 def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py", log=print):
     """`script --enable_benchy` (train.py, or train_graph.py for bench_graph) for one stage; its JSON plus the wall
     time, or the error."""
@@ -74,7 +83,7 @@ def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py
     result = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, BENCHY_OUTPUT=out), capture_output=True,
                             text=True)
     if result.returncode != 0:
-        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"],
+        return {"ok": False, "error": [error_line(result.stderr)],
                 "log_tail": result.stderr[-3000:]}
     with open(out + ".json") as f:
         bench_results = json.load(f)

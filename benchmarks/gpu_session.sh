@@ -3,18 +3,19 @@
 # H100, each part with a deadline (seconds from the start) and its JSON written as it goes, so a part cut short keeps
 # what it measured and the next part still runs:
 #   1. the CUDA-only tests of the loaders (the cosmology crops turned on the GPU, the ring's page-locked copies);
-#   2. the UNet `short` rows of the single-GPU table (benchmarks/gpu_table.py): first the two no session has
-#      reached (fp16 + fused Adam with channels_last_3d, and compiled, 8 workers), then fp32 and fp16 + fused with
-#      the config's 2 workers (input-bound in fp16) and fp16 + fused with 8;
+#   2. the UNet `short` rows of the single-GPU table (benchmarks/gpu_table.py) that compare on one card: fp16 + fused
+#      Adam with 8 workers, the same compiled (never reached by a session), fp32 with the config's 2 workers, and
+#      last fp16 + fused with channels_last_3d (twice cut by a deadline after 41 s and 55 s: last, so it delays no
+#      other row);
 #   3. the ViT `short` bf16 rows, eager and compiled, with the attention's input cast once (the table's targets);
-#   4. the cosmology loader's rates on the node's CPU (benchmarks/bench_loader.py);
-#   5. the ViT levers: the cast once against the cast by each of q, k and v (benchmarks/bench_levers.py);
-#   6. the `mp` config at tp=1 on one GPU, eager.
-# The table merges into the committed report: each row says which machine and date measured it. On 2026-11-28
-# one H100 ran the session as it was then (UNet rows, levers with compiled steps, the two dry runs the 2026-11-27
-# session had not reached, `mp` tp=1; bench_results/gpu/gpu_session.log) in 551 s, cut by deadlines in three parts.
+#   4. the ViT levers: the cast once against the cast by each of q, k and v (benchmarks/bench_levers.py);
+#   5. the cosmology loader's rates on the node's CPU (benchmarks/bench_loader.py).
+# The table merges into the committed report (each row says which machine and date measured it); --fresh (first
+# after DIR) starts a report of its own instead, for another card. On 2026-11-28 one H100 ran the session as it was
+# then (bench_results/gpu/gpu_session.log: 551 s, cut by deadlines in three parts), and one H200 this one with
+# --fresh's report (bench_results/gpu/h200/session.log: 386 s, every part in time).
 # Reports go to DIR (default bench_results/gpu), the whole log beside them.
-#   bash benchmarks/gpu_session.sh [DIR]                         # on a GPU node (PYTHON=python3 by default)
+#   bash benchmarks/gpu_session.sh [DIR] [--fresh]               # on a GPU node (PYTHON=python3 by default)
 #   bash benchmarks/gpu_session.sh DIR --tiny --allow-cpu        # a check of this script on any machine
 # `make gpu-check` runs every CUDA-only test, `make gpu-table` every row of the table, `make bench-dry-run` the dry
 # runs.
@@ -31,6 +32,11 @@ if [[ ${1:-} == --lessons ]]; then
     "${PYTHON:-python3}" -m benchmarks.gpu_lessons --out "$work" --pack "$dir/lessons.tar.gz" "$@" 2>&1 \
         | tee "$dir/lessons.log"
     exit "${PIPESTATUS[0]}"
+fi
+fresh=
+if [[ ${1:-} == --fresh ]]; then
+    fresh=1
+    shift
 fi
 check=("$@")
 tiny=()
@@ -57,9 +63,9 @@ part() {  # part NAME DEADLINE COMMAND...: run it with a deadline, say how it en
 
 loader_tiny=()
 [[ -n ${tiny[*]-} ]] && loader_tiny=(--box 32 --crop 16 --batch 4 --nbatches 2 --warmup 1 --data_dir "$dir/cosmo_32")
-UNET_ROWS=unet_fp16_fused_nhwc_w8,unet_fp16_fused_jit_w8,unet_short,unet_fp16_fused,unet_fp16_fused_w8
+UNET_ROWS=unet_fp16_fused_w8,unet_fp16_fused_jit_w8,unet_short,unet_fp16_fused_nhwc_w8
 LEVERS_ARGS="--variants now,cast_by_each --attention '' --steps 15 --warmup 3"
-if [[ -z ${tiny[*]-} && ! -e $dir/single_gpu_table.json && -e bench_results/gpu/single_gpu_table.json ]]; then
+if [[ -z ${tiny[*]-}${fresh} && ! -e $dir/single_gpu_table.json && -e bench_results/gpu/single_gpu_table.json ]]; then
     cp bench_results/gpu/single_gpu_table.json "$dir/"  # merge into the committed report (--tiny starts anew)
 fi
 
@@ -71,17 +77,15 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     era5=$!
     part "loader tests on the GPU" 50 "$py" -m pytest -q -m gpu tests/datasets tests/gpu/test_gpu.py -k "cosmo or ring" \
         -p no:cacheprovider
-    part "UNet rows" 280 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows "$UNET_ROWS" \
+    part "UNet rows" 330 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows "$UNET_ROWS" \
         --out "$dir/single_gpu_table.json"
     wait "$era5" || status=1
-    part "ViT rows" 400 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows vit_bf16,vit_fused_compile \
+    part "ViT rows" 445 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows vit_bf16,vit_fused_compile \
         --out "$dir/single_gpu_table.json"
-    part "cosmology loader" 440 "$py" -m benchmarks.bench_loader --dataset cosmo --workers 0 2 --threads 2 \
-        ${loader_tiny[@]+"${loader_tiny[@]}"} --out "$dir/loader_cosmo.json"
-    part "ViT levers" 490 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows levers \
+    part "ViT levers" 500 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows levers \
         --levers-args "$LEVERS_ARGS" --out "$dir/single_gpu_table.json"
-    part "mp tp=1" 540 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows mp_tp1 \
-        --out "$dir/single_gpu_table.json"
+    part "cosmology loader" 540 "$py" -m benchmarks.bench_loader --dataset cosmo --workers 0 2 --threads 2 \
+        ${loader_tiny[@]+"${loader_tiny[@]}"} --out "$dir/loader_cosmo.json"
     echo "[session $((SECONDS - start)) s] done, status $status"
     exit "$status"
 } 2>&1 | tee "$dir/session.log"

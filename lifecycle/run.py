@@ -116,6 +116,16 @@ def select_attention_backend(name, device, half=True):
         switch(_SDPA_DEFAULTS[backend] if name == "auto" else backend == name)
 
 
+def refuse_compiled_channels_last_unet(params, device):
+    """On a GPU, torch.compile of the UNet in channels_last_3d stops at its first backward (torch 2.11, an H200,
+    2026-11-28: Inductor's assertion on a transposed convolution's weight gradient, whose strides its meta kernel
+    predicts wrong; PyTorch issue 171622); on the CPU the pair runs. One line instead of Inductor's traceback."""
+    if device.type == "cuda" and params.get("model") == "unet" and params.get("enable_nhwc") and params.enable_jit:
+        raise UserError("--enable_nhwc with --enable_jit stops the UNet at its first backward on a GPU (torch.compile "
+                        "predicts the wrong memory layout for the transposed convolutions' gradients: PyTorch issue "
+                        "171622); use one of the two (channels_last_3d alone was the faster on an H200)")
+
+
 def start_run(args, params, layout):
     """Flags into the config (batch sizes by the "dp" group), the device, the run directory
     <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
@@ -131,6 +141,7 @@ def start_run(args, params, layout):
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
     device = comm.get_device()
+    refuse_compiled_channels_last_unet(params, device)
     select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
     register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
     if device.type == "cuda":

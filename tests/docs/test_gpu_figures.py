@@ -230,3 +230,84 @@ def test_readme_lesson_benchmarks_are_the_committed_runs():
     assert lesson_mismatches(readme) == []
     assert [line.split(":")[0] for line in lesson_mismatches(readme.replace("62.0 samples/s", "62.1 samples/s"))] == [
         "mp FULL"]
+
+
+H200 = GPU / "h200"
+H200_UNET_ROWS = {  # README's UNet table label -> the H200 report's row
+    "H200: `--amp_mode fp16 --enable_fused`, 8 workers": "unet_fp16_fused_w8",
+    "H200: the same, `--enable_nhwc`": "unet_fp16_fused_nhwc_w8",
+    "H200: the same, `--enable_jit` instead": "unet_fp16_fused_jit_w8",
+}
+
+
+def last_val_loss(log):
+    return float(log.split("Avg val loss=")[-1].split()[0])
+
+
+def h200_mismatches(readme, docs, report, logs):
+    """README's and docs/benchmarks.md's H200 figures that are not the H200 report's (bench_results/gpu/h200/) or
+    its loss curves' logs."""
+    found, rows = [], report["rows"]
+    for label, name in H200_UNET_ROWS.items():
+        said = cells(readme, f"| {label} |")[1:4]
+        value = [f"{rows[name][part]['mean']:.0f}" for part in ("IO", "SYNTHETIC", "FULL")]
+        if said != value:
+            found.append(f"UNet {label}: README says {said}, the JSON {value}")
+
+    def step_ratio(name):
+        return rows[name]["SYNTHETIC"]["mean"] / rows["unet_fp16_fused_w8"]["SYNTHETIC"]["mean"]
+
+    full = {name: f"{rows[name]['FULL']['mean']:.1f}" for name in ("vit_bf16", "vit_fused_compile", "vit_h64_bf16",
+                                                                   "vit_h64_fused_compile")}
+    loss = {name: f"{last_val_loss(log):.4f}" for name, log in logs.items()}
+    alone = report["levers"]["step_alone_ms"]
+    said = {
+        "README": (" ".join(readme.split()), [
+            f"trains at {full['vit_bf16']} samples/s, {full['vit_fused_compile']} compiled",
+            f"trains at {full['vit_h64_bf16']} samples/s, {full['vit_h64_fused_compile']} compiled",
+            f"(validation loss {loss['short_h64']} against {loss['short']} after 128 steps",
+            f"makes the fp16 step {step_ratio('unet_fp16_fused_nhwc_w8'):.2f}x faster, `torch.compile` "
+            f"{step_ratio('unet_fp16_fused_jit_w8'):.2f}x"]),
+        "docs/benchmarks.md": (" ".join(docs.split()), [
+            f"the cast once {alone['now']:.1f} ({report['levers']['with_loader_ms']['now']:.1f})",
+            f"cast by each of q, k and v {alone['cast_by_each']:.1f}",
+            f"its validation loss after 128 steps on the same data was {loss['short_h64']} against `short`'s "
+            f"{loss['short']}",
+            f"trains at {full['vit_h64_bf16']} eager and {full['vit_h64_fused_compile']} compiled"]),
+    }
+    for where, (flat, texts) in said.items():
+        found += [f"{where} does not say {text!r}" for text in texts if text not in flat]
+    return found
+
+
+def load_h200():
+    report = json.loads((H200 / "single_gpu_table.json").read_text())
+    logs = {name: (H200 / "loss_curves" / f"{name}_bf16_out.log").read_text() for name in ("short", "short_h64")}
+    return report, logs
+
+
+def test_h200_figures_are_the_committed_h200_runs():
+    """The H200 session (2026-11-28): every row stamped with that card, README's UNet rows, ViT rates and the two
+    configs' validation loss as the report and the runs' logs say; docs/benchmarks.md holds the report's own table.
+    Twin: a changed number is named."""
+    report, logs = load_h200()
+    readme = (ROOT / "README.md").read_text()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert report["device"] == "NVIDIA H200" and report["torch"] == "2.11.0+cu130"
+    assert {row["ran"] for row in report["rows"].values()} == {"NVIDIA H200, torch 2.11.0+cu130, 2026-11-28"}
+    assert all(target["met"] for target in report["targets"].values()), report["targets"]
+    assert "on one H200 (the same torch, 2026-11-28)" in " ".join(readme.split())
+    assert gpu_table.table(report) in docs
+    assert "config short_h64" in logs["short_h64"] and "num_heads 6" in logs["short_h64"]
+    assert "config short" in logs["short"] and "num_heads 8" in logs["short"]
+    assert h200_mismatches(readme, docs, report, logs) == []
+    changed = copy.deepcopy(report)
+    changed["rows"]["unet_fp16_fused_nhwc_w8"]["FULL"]["mean"] += 1.0
+    changed["rows"]["vit_h64_bf16"]["FULL"]["mean"] += 0.1
+    found = h200_mismatches(readme, docs, changed, logs)
+    assert found[0].startswith("UNet H200: the same, `--enable_nhwc`: README says ['2563', '1895', '1735'], the JSON "
+                               "['2563', '1895', '1736']"), found
+    assert found[1:] == ["README does not say 'trains at 171.8 samples/s, 201.8 compiled'",
+                         "docs/benchmarks.md does not say 'trains at 171.8 eager and 201.8 compiled'"]
+    later = {**logs, "short": logs["short"] + "  Avg val loss=0.2\n"}
+    assert len(h200_mismatches(readme, docs, report, later)) == 2

@@ -103,3 +103,56 @@ def test_crop_sizes_that_do_not_divide_are_refused(full_scale, data_size, multip
 def test_unknown_conv_init_is_refused():
     with pytest.raises(UserError, match="conv_init 'xavier' is unknown"):
         UNet(_params(weight_init={"conv_init": "xavier", "conv_scale": 0.02, "conv_bias": 0.0}))
+
+
+@pytest.mark.parametrize("model, device, nhwc, jit, refused", [
+    ("unet", "cuda", True, True, True),
+    ("unet", "cpu", True, True, False),  # the pair trains on the CPU (train.py, tiny, run by hand)
+    ("unet", "cuda", True, False, False),
+    ("unet", "cuda", False, True, False),
+    ("vit", "cuda", True, True, False),  # no transposed convolution there
+    ("resnet", "cuda", True, True, False),
+])
+def test_compiled_channels_last_unet_is_refused_on_a_gpu_in_one_line(model, device, nhwc, jit, refused):
+    """On an H200 (torch 2.11) `--enable_nhwc --enable_jit` stopped the UNet at its first backward with Inductor's
+    stride assertion (bench_results/gpu/h200/heads64.log); start_run refuses the pair there, and only there."""
+    from lifecycle.run import refuse_compiled_channels_last_unet
+    params = YParams("config/UNet.yaml", "tiny")
+    params.update({"model": model, "enable_nhwc": nhwc, "enable_jit": jit})
+    if refused:
+        with pytest.raises(UserError, match=r"^--enable_nhwc with --enable_jit stops the UNet at its first backward "
+                                            r"on a GPU .*PyTorch issue 171622\); use one of the two"):
+            refuse_compiled_channels_last_unet(params, torch.device(device))
+    else:
+        refuse_compiled_channels_last_unet(params, torch.device(device))
+
+
+def test_train_py_refuses_the_pair_where_the_device_is_a_gpu(tmp_path, monkeypatch, capsys):
+    """start_run asks before anything touches the device: with comm.get_device standing in for a GPU, train.py
+    exits 2 with the one line and makes no run directory. Twin: without --enable_jit the same run goes past the
+    check (to the loaders, where the test stops it)."""
+    import train
+    from sample_data.cosmo import write_cosmo
+    from tests.conftest import REPO_ROOT
+    from utils import comm
+
+    class PastTheCheck(Exception):
+        pass
+
+    def loaders_reached(*args, **kwargs):
+        raise PastTheCheck()
+
+    monkeypatch.chdir(REPO_ROOT)
+    data = write_cosmo(tmp_path / "cosmo", verbose=False)
+    argv = ["--yaml_config", "config/UNet.yaml", "--config", "tiny", "--data_dir", str(data), "--expdir",
+            str(tmp_path / "runs"), "--num_iters", "1", "--enable_nhwc"]
+    monkeypatch.setattr(comm, "get_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(train, "get_data_loader_distributed", loaders_reached)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--enable_jit"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if " - root - " not in line]
+    assert len(errors) == 1 and errors[0].startswith("error: --enable_nhwc with --enable_jit stops the UNet"), errors
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(PastTheCheck):
+        train.main(argv)

@@ -102,6 +102,26 @@ def test_gpu_table_runs_its_rows_and_keeps_those_that_cannot_run(tmp_path, monke
     assert "| ViT short: baseline (fp32, 0 workers) |" in printed and "not run: CUDA Graphs need a CUDA GPU" in printed
 
 
+def test_a_failed_row_keeps_the_line_that_says_what_went_wrong():
+    """A failed run's error is its `error:` line or its exception's, not a hint printed after the traceback (the
+    H200's compiled channels_last_3d UNet ended on Inductor's 'See https://...opcheck'); the table shows it."""
+    from benchmarks import gpu_table
+    from benchmarks.common import error_line
+    inductor = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in call\n"
+                "AssertionError: expected size 512==512, stride 64==1 at dim=1\n"
+                "Error in op: torch.ops.aten.convolution_backward.default\n"
+                "See https://pytorch.org/docs/stable/library.html#torch.library.opcheck\n")
+    assert error_line(inductor) == "AssertionError: expected size 512==512, stride 64==1 at dim=1"
+    assert error_line("2026 - root - INFO - start\nerror: --enable_nhwc with --enable_jit stops\n") == (
+        "error: --enable_nhwc with --enable_jit stops")
+    assert error_line("killed\n") == "killed" and error_line("") == "(no output)"
+    report = {"rows": {"unet_short": {"ok": False, "error": [error_line(inductor)]}}}
+    # the row of that failure runs only where --rows names it (the scripts now refuse the pair on a GPU)
+    assert set(gpu_table.ROWS) - set(gpu_table.DEFAULT_ROWS) == {"unet_fp16_fused_nhwc_jit_w8"}
+    assert gpu_table.table(report).splitlines()[-1] == (
+        "| UNet short | not run: AssertionError: expected size 512==512, stride 64==1 at dim=1 | | | |")
+
+
 def test_gpu_table_merge_keeps_the_rows_it_did_not_run_each_with_its_machine():
     """--merge: the old report's rows this run did not measure stay, stamped with the old run's machine and date, in
     the table's order; a row measured again is the new one; the levers are the union, the newest value of each, with

@@ -19,7 +19,7 @@ SC25_CONFIGS = {"bs64_opt_short": "bs64_opt", "mp_short": "mp"}  # sc25's profil
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 
 
-@pytest.mark.parametrize("name", ORIGINAL_CONFIGS + list(SC25_CONFIGS) + ["demo", "tiny"])
+@pytest.mark.parametrize("name", ORIGINAL_CONFIGS + list(SC25_CONFIGS) + ["short_h64", "demo", "tiny"])
 def test_every_config_loads(name):
     params = YParams(VIT_YAML, name)
     assert params.n_in_channels == 20 and params.lr > 0
@@ -44,6 +44,18 @@ def test_sc25_short_configs_are_their_parent_on_2048_samples_for_128_iterations(
     short, full = YParams(VIT_YAML, name).params, YParams(VIT_YAML, parent).params
     changed = {key: short[key] for key in short if short[key] != full.get(key)}
     assert changed == {"limit_nsamples": 2048, "limit_nsamples_val": 2048, "num_iters": 128}
+
+
+def test_short_h64_is_short_with_6_heads_of_64_and_the_same_parameter_shapes():
+    """`short_h64` changes only the number of heads (384 channels: 6 of 64 instead of 8 of 48), so its weights have
+    `short`'s names and shapes: a different model that nothing in a checkpoint tells apart (docs/answers.md)."""
+    from networks import get_model
+    h64, short = YParams(VIT_YAML, "short_h64"), YParams(VIT_YAML, "short")
+    assert {key: h64.params[key] for key in h64.params if h64.params[key] != short.params.get(key)} == {"num_heads": 6}
+    assert h64.embed_dim // h64.num_heads == 64 and short.embed_dim // short.num_heads == 48
+    with torch.device("meta"):
+        shapes = [{k: v.shape for k, v in get_model(p).state_dict().items()} for p in (h64, short)]
+    assert shapes[0] == shapes[1]
 
 
 def overridden(config, flags, dp_size=1):
