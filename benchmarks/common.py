@@ -63,11 +63,13 @@ def make_data(root, sizes, log=print, names=None):
 
 
 def error_line(stderr):
-    """What a failed run says went wrong: its `error:` line, else its exception's line (the last line of a traceback
-    can be a hint printed after it, as Inductor's 'See https://...opcheck'), else its last line."""
+    """What a failed run says went wrong: its last `error:` line (the project's one line), else its last exception
+    line (`module.Name: message`; a traceback can end on a hint printed after it, as Inductor's 'See
+    https://...opcheck'), else its last line."""
     lines = stderr.strip().splitlines()
-    said = [line for line in lines if line.startswith("error: ") or re.match(r"[A-Za-z_.]*(Error|Exception): ", line)]
-    return (said or lines or ["(no output)"])[-1]
+    said = [line for line in lines if line.startswith("error: ")]
+    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*: ", line)]
+    return (said or raised or lines or ["(no output)"])[-1]
 
 
 def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py", log=print):

@@ -4,18 +4,18 @@
 # what it measured and the next part still runs:
 #   1. the CUDA-only tests of the loaders (the cosmology crops turned on the GPU, the ring's page-locked copies);
 #   2. the UNet `short` rows of the single-GPU table (benchmarks/gpu_table.py) that compare on one card: fp16 + fused
-#      Adam with 8 workers, the same compiled (never reached by a session), fp32 with the config's 2 workers, and
-#      last fp16 + fused with channels_last_3d (twice cut by a deadline after 41 s and 55 s: last, so it delays no
-#      other row);
+#      Adam with 8 workers, the same compiled, fp32 with the config's 2 workers, and last fp16 + fused with
+#      channels_last_3d (on the H100 twice cut by a deadline after 41 s and 55 s: last, so it delays no other row);
 #   3. the ViT `short` bf16 rows, eager and compiled, with the attention's input cast once (the table's targets);
 #   4. the ViT levers: the cast once against the cast by each of q, k and v (benchmarks/bench_levers.py);
 #   5. the cosmology loader's rates on the node's CPU (benchmarks/bench_loader.py).
-# The table merges into the committed report (each row says which machine and date measured it); --fresh (first
-# after DIR) starts a report of its own instead, for another card. On 2026-11-28 one H100 ran the session as it was
-# then (bench_results/gpu/gpu_session.log: 551 s, cut by deadlines in three parts), and one H200 this one with
-# --fresh's report (bench_results/gpu/h200/session.log: 386 s, every part in time).
-# Reports go to DIR (default bench_results/gpu), the whole log beside them.
-#   bash benchmarks/gpu_session.sh [DIR] [--fresh]               # on a GPU node (PYTHON=python3 by default)
+# The table merges into the committed report (each row says which machine and date measured it); --fresh (right
+# after DIR, which must hold no report yet) starts a report of its own instead, for another card. On 2026-11-28 one
+# H100 ran the session as it was then (bench_results/gpu/gpu_session.log: 551 s, cut by deadlines in three parts),
+# and one H200 this one on an empty report, as --fresh starts (bench_results/gpu/h200/session.log: 385 s, every part
+# in time). Reports go to DIR (default bench_results/gpu), the whole log beside them.
+#   bash benchmarks/gpu_session.sh [DIR]                         # on a GPU node (PYTHON=python3 by default)
+#   bash benchmarks/gpu_session.sh DIR --fresh                   # the same, into a report of its own
 #   bash benchmarks/gpu_session.sh DIR --tiny --allow-cpu        # a check of this script on any machine
 # `make gpu-check` runs every CUDA-only test, `make gpu-table` every row of the table, `make bench-dry-run` the dry
 # runs.
@@ -34,7 +34,15 @@ if [[ ${1:-} == --lessons ]]; then
     exit "${PIPESTATUS[0]}"
 fi
 fresh=
+if [[ $dir == --* ]]; then
+    echo "error: name the report's folder first: bash benchmarks/gpu_session.sh DIR $dir" >&2
+    exit 2
+fi
 if [[ ${1:-} == --fresh ]]; then
+    if [[ -e $dir/single_gpu_table.json ]]; then
+        echo "error: --fresh starts a report of its own, and $dir already holds one; choose an empty DIR" >&2
+        exit 2
+    fi
     fresh=1
     shift
 fi

@@ -9,9 +9,9 @@ step on one batch kept on the GPU, IO = the loader alone):
   bf16 + fused Adam + torch.compile, bf16 + fused Adam under CUDA Graphs (train_graph.py); `short_h64` (6 heads of
   64, not in the original) bf16, eager and compiled;
   UNet `short` as the original walks it: 2 workers (the config's), 8, fp16 + fused Adam with 2 and 8, bf16 + fused,
-  channels_last_3d, compile, both (only where --rows names it: the scripts refuse the pair on a GPU, PyTorch issue
-  171622); ResNet `bs128` and `bs256-amp-nhwc-extra-opts`; the `mp` ViT at tp=1 on one GPU
-  (train_mp.py, batch 16 as each GPU of the published run), eager and compiled;
+  channels_last_3d, compile, both (only where --rows names it: the scripts refuse the pair on a GPU); ResNet
+  `bs128` and `bs256-amp-nhwc-extra-opts`; the `mp` ViT at tp=1 on one GPU (train_mp.py, batch 16 as each GPU of
+  the published run), eager and compiled;
   then each lever of the ViT step on its own (benchmarks/bench_levers.py, into the same JSON; `levers` in --rows
   places it, --levers-args chooses what it times).
 A row that cannot run here (DALI not installed, CUDA Graphs without CUDA) is kept with the reason; each row says
@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, ran_on, run_stage
+from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, error_line, make_data, ran_on, run_stage
 from loaders.common import dali_installed
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
@@ -82,8 +82,8 @@ ROWS = {
     "mp_tp1_compile": ("ViT mp, tp=1 (fp16, batch 16) + compile", "config/ViT.yaml", "mp", "era5", "train_mp.py",
                        [*MP_TP1, "--enable_jit"]),
 }
-# run only when --rows names it: the training scripts refuse the pair on a GPU (PyTorch issue 171622; the H200's
-# run of 2026-11-28 stopped at the first backward), so the row says that refusal until the refusal is lifted
+# run only when --rows names it: the training scripts refuse the pair on a GPU (the H200's run of 2026-11-28, torch
+# 2.11, stopped at the first backward; compare PyTorch issue 171622), so the row says that refusal until it is lifted
 NAMED_ONLY = ("unet_fp16_fused_nhwc_jit_w8",)
 DEFAULT_ROWS = [name for name in ROWS if name not in NAMED_ONLY]
 LEVERS = "levers"  # a name --rows takes beside the rows: benchmarks/bench_levers.py, where it stands in the list
@@ -192,7 +192,7 @@ def run_levers(era5_dir, work, tiny, extra=()):
         with open(out) as f:
             return {"ok": True, "cut": "stopped by the session's deadline", **json.load(f)}
     if result.returncode != 0:
-        return {"ok": False, "error": result.stderr.strip().splitlines()[-1:] or ["(no output)"]}
+        return {"ok": False, "error": [error_line(result.stderr)]}
     with open(out) as f:
         return {"ok": True, **json.load(f)}
 

@@ -117,13 +117,15 @@ def select_attention_backend(name, device, half=True):
 
 
 def refuse_compiled_channels_last_unet(params, device):
-    """On a GPU, torch.compile of the UNet in channels_last_3d stops at its first backward (torch 2.11, an H200,
-    2026-11-28: Inductor's assertion on a transposed convolution's weight gradient, whose strides its meta kernel
-    predicts wrong; PyTorch issue 171622); on the CPU the pair runs. One line instead of Inductor's traceback."""
+    """On a GPU, torch.compile of the UNet in channels_last_3d stopped at its first backward (torch 2.11, fp16, an
+    H200, 2026-11-28: Inductor expected a 512-channel 3D convolution's weight gradient in channels_last_3d, cuDNN
+    returned it contiguous; compare PyTorch issue 171622); other torch versions were not tried, and on the CPU the
+    pair runs. One line instead of Inductor's traceback at the first step."""
     if device.type == "cuda" and params.get("model") == "unet" and params.get("enable_nhwc") and params.enable_jit:
         raise UserError("--enable_nhwc with --enable_jit stops the UNet at its first backward on a GPU (torch.compile "
-                        "predicts the wrong memory layout for the transposed convolutions' gradients: PyTorch issue "
-                        "171622); use one of the two (channels_last_3d alone was the faster on an H200)")
+                        "expects another memory layout for a 3D convolution's weight gradient than cuDNN returns; "
+                        "seen with torch 2.11, compare PyTorch issue 171622); use one of the two, e.g. add "
+                        "--no-enable_jit (channels_last_3d alone was the faster on an H200)")
 
 
 def start_run(args, params, layout):

@@ -115,6 +115,14 @@ def test_a_failed_row_keeps_the_line_that_says_what_went_wrong():
     assert error_line("2026 - root - INFO - start\nerror: --enable_nhwc with --enable_jit stops\n") == (
         "error: --enable_nhwc with --enable_jit stops")
     assert error_line("killed\n") == "killed" and error_line("") == "(no output)"
+    # the project's one line wins over a traceback printed after it (a rank's, say); names with digits and
+    # exceptions not called ...Error are exception lines too
+    assert error_line("error: rank 1: checkpoint cannot be read\nTraceback (most recent call last):\n"
+                      "RuntimeError: gloo\n") == "error: rank 1: checkpoint cannot be read"
+    assert error_line("torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised\nSee https://x\n") == (
+        "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised")
+    assert error_line("torch.distributed.distributed_c10d.DistBackendError: NCCL\nhint\n") == (
+        "torch.distributed.distributed_c10d.DistBackendError: NCCL")
     report = {"rows": {"unet_short": {"ok": False, "error": [error_line(inductor)]}}}
     # the row of that failure runs only where --rows names it (the scripts now refuse the pair on a GPU)
     assert set(gpu_table.ROWS) - set(gpu_table.DEFAULT_ROWS) == {"unet_fp16_fused_nhwc_jit_w8"}
@@ -407,3 +415,29 @@ def test_bench_dry_run_measures_the_layouts_asked_and_keeps_the_others(tmp_path,
     with pytest.raises(SystemExit):
         bench_dry_run.main(["--tiny", "--out", str(out), "--layouts", "tp=8"])
     assert "no layout starts with 'tp=8'; the layouts: tp=2 dp=2; tp=2 cp=2" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_gpu_session_merges_into_the_committed_report_unless_fresh(tmp_path):
+    """gpu_session.sh copies the committed report into DIR to merge its rows into (the H100's); --fresh starts a
+    report of its own (another card) and refuses a DIR that already holds one; a flag where DIR belongs is refused.
+    PYTHON=true stands in for every measurement."""
+    import subprocess
+
+    from tests.conftest import REPO_ROOT
+
+    def session(*args):
+        return subprocess.run(["bash", "benchmarks/gpu_session.sh", *map(str, args)], cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHON": "true"}, capture_output=True, text=True, timeout=60)
+
+    merged, fresh = tmp_path / "merged", tmp_path / "fresh"
+    assert session(merged).returncode == 0
+    committed = (Path(REPO_ROOT) / "bench_results" / "gpu" / "single_gpu_table.json").read_text()
+    assert (merged / "single_gpu_table.json").read_text() == committed
+    assert session(fresh, "--fresh").returncode == 0
+    assert not (fresh / "single_gpu_table.json").exists() and (fresh / "session.log").exists()
+    again = session(merged, "--fresh")
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"error: --fresh starts a report of its own, and {merged} already holds one; choose an empty DIR")
+    flag_first = session("--fresh")
+    assert flag_first.returncode == 2 and "name the report's folder first" in flag_first.stderr
