@@ -5,11 +5,12 @@ in its own process, which the planner uses too, is planning/dry_run.py's)."""
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
 import time
+
+from utils.errors import error_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchmark cycles through them)
@@ -60,16 +61,6 @@ def make_data(root, sizes, log=print, names=None):
             log(f"generating {name} sample data in {paths[name]}")
             writer(paths[name], verbose=False, **sizes[name])
     return paths
-
-
-def error_line(stderr):
-    """What a failed run says went wrong: its last `error:` line (the project's one line), else its last exception
-    line (`module.Name: message`; a traceback can end on a hint printed after it, as Inductor's 'See
-    https://...opcheck'), else its last line."""
-    lines = stderr.strip().splitlines()
-    said = [line for line in lines if line.startswith("error: ")]
-    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*: ", line)]
-    return (said or raised or lines or ["(no output)"])[-1]
 
 
 def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py", log=print):

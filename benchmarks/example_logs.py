@@ -29,7 +29,7 @@ import time
 
 from benchmarks.common import REPO_ROOT, free_port
 from utils.atomic import write_bytes, write_json
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.errors import ArgumentParser, UserError, error_line, exit_on_user_error
 
 VIT_EPOCH_ITERS = 256  # the ViT demo config's num_iters at batch 8: 8 epochs of the default sample data
 
@@ -94,7 +94,7 @@ def ensure_data(kind, data_dir):
                             cwd=REPO_ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"generating {kind} sample data in '{data_dir}' failed: "
-                        f"{(result.stderr.strip().splitlines() or ['no message'])[-1]}")
+                        f"{error_line(result.stderr, empty='no message')}")
 
 
 def train_args(name, data_dir, expdir):

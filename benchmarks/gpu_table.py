@@ -34,10 +34,10 @@ import time
 
 import torch
 
-from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, error_line, make_data, ran_on, run_stage
+from benchmarks.common import DATA_SIZES, REPO_ROOT, device_name, make_data, ran_on, run_stage
 from loaders.common import dali_installed
 from utils.atomic import write_json
-from utils.errors import ArgumentParser
+from utils.errors import ArgumentParser, error_line
 
 BF16 = ["--amp_mode", "bf16", "--num_data_workers", "8"]
 W8, FP16 = ["--num_data_workers", "8"], ["--amp_mode", "fp16", "--enable_fused"]

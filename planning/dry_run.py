@@ -27,6 +27,7 @@ from loop.benchy import model_memory
 from loop.reporting import set_train_mode
 from planning import perf_model
 from utils import comm
+from utils.errors import error_line
 
 TIMED_STEPS = 3  # after one warm-up step (it allocates the gradients and Adam's moments)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,5 +136,5 @@ def dry_run_in_own_process(args, timeout=None):
         return None, f"no result within {timeout} s"
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
-        return None, (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, error_line(done.stderr, empty="no output")
     return json.loads(lines[-1]), None

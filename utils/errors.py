@@ -134,6 +134,17 @@ def disk_full(err):
             f"'{folder}'); free disk space (or raise the quota), or write elsewhere (--expdir)")
 
 
+def error_line(stderr, empty="(no output)"):
+    """What a failed child process said went wrong: its last `error:` line (the project's one line), else its last
+    exception line (`module.Name: message`; a traceback can end on a hint printed after it, as Inductor's 'See
+    https://...opcheck'), else its last line, else `empty`. For the benchmarks and the planner, which run the
+    training scripts in processes of their own."""
+    lines = stderr.strip().splitlines()
+    said = [line for line in lines if line.startswith("error: ")]
+    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*: ", line)]
+    return (said or raised or lines or [empty])[-1]
+
+
 def one_line(err):
     """The message of a UserError; for one re-raised from a DataLoader worker (its text then holds the worker's
     traceback), the original message alone."""
