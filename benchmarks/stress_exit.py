@@ -15,7 +15,7 @@ Two loops, on this machine's CPUs over gloo (`make stress-exit` runs both on the
              cycle, so it meets the race far more often per minute. A rank silent for `--stall` s is hung; the
              ranks are then killed and started again, until `--teardowns` cycles have been tried.
 With --switched_off the ranks leave as before the fix: dist.destroy_process_group() with each backend torn down
-inside it, under the GIL on torch < 2.8 (utils/comm.leave_process_group says why that hangs).
+inside it, under the GIL on torch < 2.8 (utils/health.leave_process_group says why that hangs).
 The JSON: per loop the cycles tried and hung, the exit codes and times; torch's version. Exit code 1 if any hung.
 """
 import os
@@ -38,8 +38,8 @@ RUN_FLAGS = ["--config", "tiny", "--data_loader_config", "synthetic", "--tensor_
 
 def switch_off():
     """The fix switched off: every backend goes inside dist.destroy_process_group(), as before."""
-    from utils import comm
-    comm._backends = lambda: []
+    from utils import health
+    health._backends = lambda: []
 
 
 def processes_with(marker):

@@ -4,8 +4,14 @@ A run directory keeps two: checkpoints/ckpt.pt and the one before it, ckpt_previ
 (a write cut short by a failing file system, a zeroed file) the run resumes from the previous one, says so, and
 moves the damaged file aside (ckpt.pt.damaged), so that the next save keeps the good one as the previous.
 Every rank resumes from the same file, or the job stops (load_on_every_rank): rank 0 chooses, the others follow.
+
+Every checkpoint carries a digest (state_digest: SHA-256 over each tensor's bytes, dtype and shape and every other
+value, in order), computed from the state in memory as it is saved and checked on every load: a bit flipped on disk
+or in a copy inside a tensor's data, which torch.load reads without a word, makes the file damaged like an unreadable
+one. A checkpoint written before the digest loads with one line saying it cannot be checked.
 """
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -16,14 +22,68 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils import comm
+from utils import comm, health
 from utils.atomic import atomic_path, free_space
 from utils.errors import OneRankError, UserError
 
 
 class DamagedCheckpoint(UserError):
-    """A checkpoint file that torch.load cannot read; `reason`: what torch.load raised, in a few words."""
+    """A checkpoint file that torch.load cannot read, or whose contents differ from what was written (its digest);
+    `reason`: what was found, in a few words."""
     reason = "unreadable"
+
+
+DIGEST = "digest"  # the checkpoint's key for state_digest of everything else in it
+
+
+def state_digest(state):
+    """SHA-256 (hex) of a checkpoint's state: each tensor's bytes with its dtype and shape, numpy arrays likewise,
+    containers by their length and items in order, any other value by its type and repr. The same for the state
+    that was saved and the state torch.load returns from an intact file."""
+    digest = hashlib.sha256()
+    _feed(digest, state)
+    return digest.hexdigest()
+
+
+def _feed(digest, value):
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)};".encode())
+        if tensor.numel():
+            digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        digest.update(f"array {array.dtype.str} {array.shape};".encode())
+        digest.update(memoryview(array.reshape(-1).view(np.uint8)))
+    elif isinstance(value, dict):
+        digest.update(f"dict {len(value)};".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__} {len(value)};".encode())
+        for item in value:
+            _feed(digest, item)
+    else:  # str, int, float (repr is exact), bool, None, numpy scalars
+        digest.update(f"{type(value).__name__} {value!r};".encode())
+
+
+def verify_digest(checkpoint, path):
+    """Raise DamagedCheckpoint when `checkpoint` (as torch.load returned it from `path`) is not what was written;
+    returns whether it could be checked (False: a checkpoint of train.py written before the digest, said once on
+    rank 0, or a torch file of something else, which the caller refuses)."""
+    if not isinstance(checkpoint, dict) or DIGEST not in checkpoint:
+        if isinstance(checkpoint, dict) and {"model", "iteration"} <= set(checkpoint) and comm.get_world_rank() == 0:
+            logging.warning(f"checkpoint '{path}' was written before checkpoints carried a digest: what it holds "
+                            "cannot be checked against what was written")
+        return False
+    written = checkpoint.pop(DIGEST)
+    if state_digest(checkpoint) != written:
+        damaged = DamagedCheckpoint(f"checkpoint '{path}' does not hold what was written (its digest differs: "
+                                    "bytes changed on disk or in a copy); pass another checkpoint to --resume")
+        damaged.reason = "its digest differs from what was written"
+        raise damaged
+    return True
 
 
 def previous_path(path):
@@ -54,9 +114,10 @@ def present(path):
 
 
 def save_checkpoint(path, state):
-    """torch.save to `<path>.tmp`, flushed to disk, then the current `path` becomes previous_path(path) and the new
-    file takes its place. A failed write (disk full, quota) removes the temporary file, keeps the checkpoints there
-    were and raises a UserError naming the folder and its free space."""
+    """torch.save of `state` and its digest to `<path>.tmp`, flushed to disk, then the current `path` becomes
+    previous_path(path) and the new file takes its place. A failed write (disk full, quota) removes the temporary
+    file, keeps the checkpoints there were and raises a UserError naming the folder and its free space."""
+    state = {**state, DIGEST: state_digest(state)}
     try:
         with atomic_path(path, keep_previous=previous_path(path)) as tmp_path, open(tmp_path, "wb") as f:
             torch.save(state, f)
@@ -77,12 +138,13 @@ def save_checkpoint(path, state):
 
 
 def load_checkpoint(path):
-    """The checkpoint dict at `path`, on the CPU; DamagedCheckpoint when the file cannot be read."""
+    """The checkpoint dict at `path`, on the CPU, its digest checked (and removed); DamagedCheckpoint when the file
+    cannot be read or does not hold what was written."""
     if not present(path):
         raise UserError(f"checkpoint '{path}' not found; pass an existing file to --resume")
     try:
         # our own files hold numpy/python RNG states, which weights_only loading refuses
-        return torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         reason = type(err).__name__ + (f": {err.strerror}" if isinstance(err, OSError) and err.strerror else "")
         damaged = DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({reason}): it is damaged, incomplete (a "
@@ -90,13 +152,17 @@ def load_checkpoint(path):
                                     "checkpoint to --resume")
         damaged.reason = reason
         raise damaged from None
+    verify_digest(checkpoint, path)
+    return checkpoint
 
 
 def load_newest_checkpoint(path):
-    """(checkpoint, the file it came from): `path`, or the previous checkpoint when `path` is damaged or missing
-    (a crash between the two renames of save_checkpoint), saying so on rank 0. A damaged `path` is moved to
-    damaged_path(path): saved over, it would become the previous checkpoint, and the good one would be lost."""
+    """(checkpoint, the file it came from): `path`, or the previous checkpoint when `path` is damaged, saying so on
+    rank 0. A damaged `path` is moved to damaged_path(path): saved over, it would become the previous checkpoint, and
+    the good one would be lost. A save that a crash cut short is first finished or undone (finish_interrupted_save).
+    Rank 0 alone."""
     previous = previous_path(path)
+    finish_interrupted_save(path)
     if not present(path):
         why = f"checkpoint '{path}' is missing"
     else:
@@ -125,6 +191,33 @@ def load_newest_checkpoint(path):
         logging.warning(f"{why}; resuming from the previous checkpoint '{previous}' (iteration "
                         f"{checkpoint.get('iteration', '?') if isinstance(checkpoint, dict) else '?'}){aside}")
     return checkpoint, previous
+
+
+def finish_interrupted_save(path):
+    """Finish or undo a save_checkpoint that a crash cut short, so that `path` is the newest checkpoint and no
+    temporary file is left (a run restarted at its final iteration trains no step and saves nothing: it would keep
+    them as they are). `<path>.tmp` is flushed before the renames; where its digest says it is whole, the save is
+    finished (`path` becomes the previous checkpoint, the temporary file `path`). Else it is removed, and a `path`
+    missing beside its previous one (the crash came between the renames) is the previous one again, as before that
+    save. Rank 0 alone, in a locked run directory."""
+    tmp_path, previous = f"{path}.tmp", previous_path(path)
+    whole = False
+    if present(tmp_path):
+        try:
+            whole = verify_digest(torch.load(tmp_path, map_location="cpu", weights_only=False), tmp_path)
+        except Exception:  # cut short or damaged (a DamagedCheckpoint): not a checkpoint
+            whole = False
+        if whole:
+            if present(path):
+                os.replace(path, previous)
+            os.replace(tmp_path, path)
+            logging.warning(f"a save was cut short after writing '{tmp_path}', which is whole: it is now '{path}'")
+            return
+        os.remove(tmp_path)
+    if not present(path) and present(previous):
+        os.replace(previous, path)
+        logging.warning(f"checkpoint '{path}' was missing (a save cut between its two renames): '{previous}' is "
+                        f"'{path}' again, as before that save")
 
 
 def iteration_of(checkpoint):
@@ -207,7 +300,7 @@ def load_on_every_rank(path, newest=False, check=None):
     if error:  # rank 0's reason: every rank stops as when every rank found it; rank 0 prints it
         raise UserError(error)
     if iteration is not None:  # what a rank that loses a peer from here on says the job resumes from
-        comm.note_checkpoint(path, iteration)
+        health.note_checkpoint(path, iteration)
     problem = None
     if rank != 0:
         checkpoint, problem = load_rank0s_choice(path, iteration)

@@ -29,7 +29,7 @@ from lifecycle.checkpoint import (
 )
 from lifecycle.cli import apply_overrides, check_stage_flags
 from lifecycle.run_lock import RunDirectoryLock
-from utils import comm
+from utils import comm, health
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
 from utils.logging_utils import config_logger, log_to_file
 from utils.YParams import YParams
@@ -226,7 +226,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     rng_states = checkpoint["rng_states"]
     set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
     start_iter = checkpoint["iteration"]
-    comm.note_checkpoint(path, start_iter)
+    health.note_checkpoint(path, start_iter)
     logging.info(f"Resumed from {path} at iteration {start_iter}")
     written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
     if isinstance(written_at, dict) and written_at != dataclasses.asdict(comm.get_layout()):
@@ -254,7 +254,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params, "layout": dataclasses.asdict(comm.get_layout())}  # the model is serial
     comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
-    comm.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
+    health.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
     if signals.stopped_by():  # the stop's checkpoint: a signal from now on is ignored (signals.ending)
         signals.ending(signals.EXIT_CODE, at_once=False)
@@ -264,7 +264,7 @@ def finish_run(run):
     """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
     free the run directory; after a stop on a signal, exit with signals.EXIT_CODE. Once done is said, a signal ends
     the process at once with the run's own exit code (signals.ending), and the group's teardown cannot hang
-    (comm.leave_process_group)."""
+    (health.leave_process_group)."""
     if run.writer is not None:
         run.writer.close()
         logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")

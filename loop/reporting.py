@@ -14,7 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lifecycle import signals
 from loop.plots import get_figure
-from utils import comm
+from utils import comm, health
 from utils.errors import UserError
 
 NONFINITE_CHECK_EVERY = 50  # iterations between checks of the training loss (each costs one device sync)
@@ -169,8 +169,8 @@ class EpochMeter:
                 dist.all_gather_object(seen, (local, self.describe(first) if local == first else None))
             where = next(f"rank {rank}'s batch: {text}" for rank, (at, text) in enumerate(seen) if at == first)
             raise UserError(f"the training loss is not finite (nan or inf) at iteration {first} ({where}); stopped "
-                            "without saving, the last good checkpoint is kept; check the input data (or lower lr, "
-                            "or use bf16 instead of fp16)")
+                            f"without saving, so the checkpoints are as they were ({health.resume_point()}); check the "
+                            "input data (or lower lr, or use bf16 instead of fp16)")
 
 
 class AutocastForward(torch.nn.Module):
@@ -298,8 +298,8 @@ def log_validation(run, iters, val_means, val_batch, seconds, train_means):
     if bad:
         what = "loss" if bad[0] == "loss" else f"metric {bad[0]}"
         raise UserError(f"the validation {what} is not finite (nan or inf) at iteration {iters}; stopped without "
-                        "saving, the last good checkpoint is kept; check the validation data (or lower lr, or use "
-                        "bf16 instead of fp16)")
+                        f"saving, so the checkpoints are as they were ({health.resume_point()}); check the validation "
+                        "data (or lower lr, or use bf16 instead of fp16)")
     logging.info(f"  Avg val loss={val_means['loss']}")
     logging.info(f"  Total validation time: {seconds} sec")
     if "Accuracy/top1/valid" in val_means:

@@ -151,7 +151,7 @@ def test_nccl_is_told_the_gpu_and_every_group_the_timeout(monkeypatch, backend, 
 def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
     """Of the ranks whose collective timed out, the first one (the store counts them) says so and marks itself the
     failing one; the others say nothing (the slow rank then finds the failing note and stays quiet too)."""
-    from utils import comm
+    from utils import health
 
     class Store:
         def __init__(self):
@@ -168,14 +168,14 @@ def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
             return all(key in self.values for key in keys)
 
     store = Store()
-    monkeypatch.setitem(comm._host, "store", store)
-    monkeypatch.setitem(comm._host, "timeout", 5.0)
-    monkeypatch.setattr(comm, "world_size_to_be", lambda: 4)
-    monkeypatch.setattr(comm, "linger_for_the_others", lambda store, world: None)
+    monkeypatch.setitem(health._job, "store", store)
+    monkeypatch.setitem(health._job, "timeout", 5.0)
+    monkeypatch.setattr(health, "world_size_to_be", lambda: 4)
+    monkeypatch.setattr(health, "linger_for_the_others", lambda store, world: None)
     said = []
     for rank in (2, 3):
-        monkeypatch.setattr(comm, "get_world_rank", lambda rank=rank: rank)
-        said.append(comm.explain_lost_peer(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 5000ms for recv")))
+        monkeypatch.setattr(health, "world_rank", lambda rank=rank: rank)
+        said.append(health.explain_lost_peer(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 5000ms for recv")))
     assert said[0].startswith("rank 2: a collective waited longer than --collective_timeout (5 s)") and \
         said[1] is None, said
     assert store.values["failed"] == "2"
@@ -212,16 +212,16 @@ def test_a_rank_waiting_for_rank_0_gives_up_when_its_heartbeat_stops(monkeypatch
     post gives up (as a lost peer: utils/errors.py's one line) once rank 0's heartbeat has not moved for
     RANK0_SILENT_S. The twin: a beating rank 0 that takes long (a slow checkpoint write) is waited for, and its post
     read."""
-    from utils import comm
+    from utils import comm, health
     monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "is_dry_run", lambda: False)
-    monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
-    monkeypatch.setattr(comm, "world_size_to_be", lambda: 2)
-    monkeypatch.setattr(comm, "RANK0_SILENT_S", 0.3)
-    monkeypatch.setattr(comm, "RANK0_POLL_S", (0.01, 0.01))
+    monkeypatch.setattr(health, "world_rank", lambda: 1)
+    monkeypatch.setattr(health, "world_size_to_be", lambda: 2)
+    monkeypatch.setattr(health, "RANK0_SILENT_S", 0.3)
+    monkeypatch.setattr(health, "RANK0_POLL_S", (0.01, 0.01))
     store = PollStore(beating, post_after=None if not beating else 100)  # 100 looks: about 1 s, over 0.3 s
-    monkeypatch.setitem(comm._host, "store", store)
-    monkeypatch.setitem(comm._host, "posts", 0)
+    monkeypatch.setitem(health._job, "store", store)
+    monkeypatch.setitem(health._job, "posts", 0)
     if beating:
         assert comm.broadcast_from_rank0(None) == "rank 0's answer"
         assert store.values["rank0_post/1/read"] == 1  # rank 0 may wait for this before it exits on an error
@@ -237,13 +237,13 @@ HEARTBEAT_EXIT = """\
 import atexit, datetime, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-from utils import comm
-comm.RANK0_BEAT_S = 0.0
+from utils import comm, health
+health.RANK0_BEAT_S = 0.0
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
-comm._host["store"] = store
-comm._beat_while_alive(store)
+health._job["store"] = store
+health._beat_while_alive(store)
 if {unprotected}:
-    atexit.unregister(comm._stop_heartbeat)
+    atexit.unregister(health._stop_heartbeat)
 time.sleep(0.05)
 assert store.add("rank0_beat", 0) > 10, "the heartbeat did not beat"
 sys.exit(2)

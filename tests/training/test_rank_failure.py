@@ -47,11 +47,11 @@ def read_into(self, year_idx, step, out):
 
 loaders.era5.ERA5Dataset.read_into = read_into
 if {switched_off}:
-    import utils.comm
-    utils.comm.on_job_failures = lambda *args: None
+    import utils.health
+    utils.health.on_job_failures = lambda *args: None
 if {unclaimed}:  # as before the claim: rank 0 alone says a UserError
-    import utils.comm
-    utils.comm.claim_user_error = lambda: os.environ["RANK"] == "0"
+    import utils.health
+    utils.health.claim_user_error = lambda: os.environ["RANK"] == "0"
 train.main(sys.argv[1:])
 """
 
@@ -163,13 +163,13 @@ class GoneStore:
 def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local_rank, line):
     """Rank 0's process holds the rendezvous store under srun: when it dies, the survivors cannot take their census;
     the first rank of each node says that rank 0 stopped answering, with the checkpoint to resume from."""
-    from utils import comm
-    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
-    monkeypatch.setattr(comm, "world_size_to_be", lambda: 8)
+    from utils import health
+    monkeypatch.setattr(health, "world_rank", lambda: rank)
+    monkeypatch.setattr(health, "world_size_to_be", lambda: 8)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
-    monkeypatch.setitem(comm._host, "store", GoneStore())
-    monkeypatch.setitem(comm._host, "checkpoint", "'ckpt.pt' (iteration 12)")
-    said = comm.explain_lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [10.0.0.1]:1234"))
+    monkeypatch.setitem(health._job, "store", GoneStore())
+    monkeypatch.setitem(health._job, "checkpoint", "'ckpt.pt' (iteration 12)")
+    said = health.explain_lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [10.0.0.1]:1234"))
     if line is None:
         assert said is None
     else:
@@ -184,14 +184,14 @@ def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local
     (2, {"user_error": "1"}, False),  # rank 1 said it first
 ])
 def test_the_first_rank_to_claim_a_user_error_says_it(monkeypatch, rank, keys, claimed):
-    from utils import comm
+    from utils import health
     store = torch.distributed.HashStore()  # answers check, set and compare_set as the rendezvous TCPStore does
     for key, value in keys.items():
         store.set(key, value)
-    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
-    monkeypatch.setattr(comm, "USER_ERROR_WAIT_S", 0.1)
-    monkeypatch.setitem(comm._host, "store", store)
-    assert comm.claim_user_error() == claimed
+    monkeypatch.setattr(health, "world_rank", lambda: rank)
+    monkeypatch.setattr(health, "USER_ERROR_WAIT_S", 0.1)
+    monkeypatch.setitem(health._job, "store", store)
+    assert health.claim_user_error() == claimed
     if claimed:
         assert store.get("user_error") == str(rank).encode()
     else:

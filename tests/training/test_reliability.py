@@ -67,7 +67,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(small_era5, t
             f["fields"][...] = np.nan
     line = fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "20"),
                       r"training loss is not finite \(nan or inf\) at iteration 11 \(rank 0's batch: epoch 2, step 4: "
-                      r".*\.h5 time steps .*\); stopped without saving, the last good checkpoint is kept")
+                      r".*\.h5 time steps .*\); stopped without saving, so the checkpoints are as they were "
+                      rf"\(starting again resumes from '{re.escape(checkpoint)}' \(iteration 10\)\)")
     assert "2000.h5" in line  # the file the bad samples came from
     assert open(checkpoint, "rb").read() == good and not os.path.exists(checkpoint + ".tmp")
 
@@ -514,7 +515,8 @@ def test_a_run_directorys_ckpt_pt_that_is_no_checkpoint_says_what_to_do(small_er
 
 
 def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tmp_path, capsys):
-    """nan in the validation data: one line naming the iteration, nothing saved over the last good checkpoint.
+    """nan in the validation data: one line naming the iteration and the checkpoint a restart resumes from; nothing
+    saved over it.
     Twin: the same run on clean data finishes (the check is not always on)."""
     train.main(tiny(small_era5, tmp_path / "clean", "--num_iters", "6"))
     train.main(tiny(small_era5, tmp_path, "--num_iters", "6", "--checkpoint_interval", "3", "--stop_at_iter", "3"))
@@ -524,8 +526,9 @@ def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tm
         with h5py.File(path, "r+") as f:
             f["fields"][...] = np.nan
     fails_with(capsys, tiny(small_era5, tmp_path, "--num_iters", "6"),
-               r"the validation loss is not finite \(nan or inf\) at iteration 6; stopped without saving, the last "
-               r"good checkpoint is kept")
+               r"the validation loss is not finite \(nan or inf\) at iteration 6; stopped without saving, so the "
+               rf"checkpoints are as they were \(starting again resumes from '{re.escape(checkpoint)}' "
+               r"\(iteration 3\)\)")
     assert open(checkpoint, "rb").read() == good
 
 

@@ -116,30 +116,36 @@ def test_in_one_process_rank_0_chooses_the_newest_good_checkpoint(tmp_path, capl
     def refuse(checkpoint, file):
         raise UserError(f"not ours: {file}")
 
-    with pytest.raises(UserError, match="not ours: .*ckpt_previous.pt"):
+    with pytest.raises(UserError, match="not ours: .*ckpt.pt$"):  # ckpt.pt missing: the previous one took its place
         load_on_every_rank(path, newest=True, check=refuse)
+    assert not os.path.exists(previous_path(path))
 
 
 def test_from_rank_0s_choice_on_a_lost_peer_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
     """Once rank 0 has chosen, a rank whose wait for the others fails (a rank slower to read the file than
     --collective_timeout) says the job resumes from that file, not 'no checkpoint was written yet'."""
-    from utils import comm
+    from utils import health
     path = two_checkpoints(tmp_path)
-    monkeypatch.delitem(comm._host, "checkpoint", raising=False)
+    monkeypatch.delitem(health._job, "checkpoint", raising=False)
     load_on_every_rank(path, newest=True)
-    assert comm._host["checkpoint"] == f"'{path}' (iteration 4)"
+    assert health._job["checkpoint"] == f"'{path}' (iteration 4)"
 
 
 # ---------------------------------------------------------------- two ranks (gloo), a real resume
 
 # Each rank runs train.py through this script; what it changes is written into the copy of each test (no switch
-# in the product's code): on rank 1 alone the run directory's checkpoint cannot be read (a failing node), and
-# every rank prints where its restore started.
+# in the product's code): on rank 1 alone the run directory's checkpoint cannot be read (a failing node); with
+# `unchecked`, no rank checks a checkpoint's digest (the twins of the flipped-bit cases); every rank prints where its
+# restore started.
 RANK_SCRIPT = """\
 import os, sys
 sys.path.insert(0, {root!r})
 import torch
+import lifecycle.checkpoint
 import train
+
+if {unchecked}:
+    lifecycle.checkpoint.verify_digest = lambda checkpoint, path: checkpoint.pop("digest", None)
 
 if {fail_on_rank_1} and os.environ["RANK"] == "1":
     real_load = torch.load
@@ -190,10 +196,10 @@ def copy_of(written_run, tmp_path):
     return str(tmp_path / "exp" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt")
 
 
-def two_ranks(data, tmp_path, fail_on_rank_1=False, timeout=120):
+def two_ranks(data, tmp_path, fail_on_rank_1=False, timeout=120, unchecked=False):
     """Resume the copied run with two ranks (plain processes: each one's exit code and output)."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, fail_on_rank_1=fail_on_rank_1))
+    script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, fail_on_rank_1=fail_on_rank_1, unchecked=unchecked))
     codes, outputs, _ = run_plain_ranks(
         [sys.executable, str(script), "--config", "tiny", "--data_dir", data, "--expdir", str(tmp_path / "exp"),
          "--num_iters", "6", "--dist_timeout", "60"], 2, tmp_path, timeout)
@@ -234,3 +240,37 @@ def test_a_damaged_newest_checkpoint_sends_every_rank_to_the_previous_one(writte
     assert len(re.findall(r"cannot be read \(.*\): it is damaged, .*; resuming from the previous checkpoint "
                           rf"'{re.escape(previous)}' \(iteration 2\)", console)) == 1
     assert torch.load(checkpoint, weights_only=False)["iteration"] == 6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("how,where", [("bit", "newest"), ("bytes", "both")])
+def test_two_ranks_check_the_digest_of_rank_0s_choice(written_run, tmp_path, how, where, checked):
+    """Two ranks, a flipped bit in ckpt.pt: both resume from ckpt_previous.pt (iteration 2), said once; 100 flipped
+    bytes in both checkpoints: one line, every rank exits with code 2, neither trains. Twins, unchecked: both ranks
+    resume from the damaged ckpt.pt at iteration 4 without a word (their weights are not what was written)."""
+    from tests.training.test_checkpoint_digest import damage
+    checkpoint = copy_of(written_run, tmp_path)
+    previous = previous_path(checkpoint)
+    original = torch.load(checkpoint, weights_only=False)["model"]
+    name = [damage(path, how) for path in ([checkpoint] if where == "newest" else [checkpoint, previous])][0]
+    assert not torch.equal(torch.load(checkpoint, weights_only=False)["model"][name], original[name])
+    codes, outputs = two_ranks(written_run[0], tmp_path, unchecked=not checked)
+    console = "".join(outputs)
+    flipped = f"checkpoint '{checkpoint}' does not hold what was written (its digest differs"
+    if not checked:
+        assert codes == [0, 0], console[-3000:]
+        for rank in (0, 1):
+            assert f"test: rank {rank} resumed at iteration 4 from {checkpoint}" in outputs[rank], outputs[rank][-3000:]
+        assert "does not hold what was written" not in console
+    elif where == "newest":
+        assert codes == [0, 0], console[-3000:]
+        for rank in (0, 1):
+            assert f"test: rank {rank} resumed at iteration 2 from {previous}" in outputs[rank], outputs[rank][-3000:]
+        assert console.count(flipped) == 1 and flipped in outputs[0], console[-3000:]
+    else:
+        assert codes == [2, 2], console[-3000:]
+        errors = [line for line in console.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {flipped}") and "is damaged or incomplete too" \
+            in errors[0], console[-3000:]
+        assert "resumed at iteration" not in console and "Traceback" not in console
