@@ -10,9 +10,14 @@ This module imports no other loader module (loaders/era5.py, cosmo.py, images.py
 """
 import collections
 import copy
+import ctypes
 import importlib.util
 import logging
 import math
+import multiprocessing
+import os
+import signal
+import sys
 import warnings
 import weakref
 
@@ -28,6 +33,7 @@ DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
 TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
 PREFETCH = 2  # batches each worker reads ahead (DataLoader's prefetch_factor)
 SPARE_SLOTS = 2  # ring slots beyond those requested ahead: the batch handed out and the one before it
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal this process gets when its parent dies
 
 
 class ResumableSampler(DistributedSampler):
@@ -409,7 +415,26 @@ def batched_already(batch):
     return batch
 
 
+def exit_with_parent():
+    """In a loader worker (PyTorch's or DALI's): the kernel kills it (SIGKILL) when its parent, the training process,
+    dies, also of a SIGKILL or the OOM killer; a parent already gone ends it here. Linux only (elsewhere nothing).
+    PyTorch's workers look for their parent only between requests (every 5 s while idle): a worker blocked in a read
+    or a long __getitem__ never looks, and workers outlived an OOM-killed run (issue #53); DALI's parallel-source
+    workers were still alive 8 s after a SIGKILL of their training process. The kernel sends the signal when the
+    thread that started the worker ends: the loaders start their workers from the training process's main thread."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this libc
+        return
+    if os.getppid() != parent.pid:  # the parent died before prctl: no signal will come
+        os._exit(1)
+
+
 def _seed_worker(worker_id):
+    exit_with_parent()
     signals.ignore_in_worker()  # Slurm signals every process of a step: the main process decides, and stops us
     np.random.seed(torch.initial_seed() % (2**32 - 1))
     dataset = get_worker_info().dataset
@@ -451,6 +476,7 @@ class SamplerSource:
     def __setstate__(self, state):
         """Unpickled in a DALI worker process: Ctrl-C and Slurm's warning signal are for the main process."""
         self.__dict__.update(state)
+        exit_with_parent()
         signals.ignore_in_worker()
 
     def _order(self, epoch):
