@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement stress-exit plan example-logs figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -112,6 +112,10 @@ plan: install
 
 bench-loader: install
 	$(PY) -m benchmarks.bench_loader --data_dir data/era5_360x720 --repeats 5 --out bench_results/loader_era5.json
+
+# what the checkpoint digest costs on the save and load of the mp config's checkpoint (1.9 GB; about a minute)
+bench-checkpoint: install
+	$(PY) -m benchmarks.bench_checkpoint --config mp --out bench_results/checkpoint_digest.json
 
 # the cosmology crops (64^3 of a generated 128^3 box): PyTorch lowmem and DALI dali-lowmem vs raw reads
 # the ranks' agreement on a stop signal, per step, blocking against in-loop, on 2, 8 and 16 CPU ranks (gloo)

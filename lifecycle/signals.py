@@ -131,8 +131,9 @@ def _notice_a_dead_launcher():
     step, with a checkpoint, exit 75."""
     if _state["received"] is None and launcher_gone():
         _state["received"] = signal.SIGHUP
-        logging.warning(f"the launcher (process {_state['parent']}) is gone: stopping after this step, with a "
-                        "checkpoint")
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once a node: every rank of it lost the same launcher
+            logging.warning(f"the launcher (process {_state['parent']}) is gone: stopping after this step, with a "
+                            "checkpoint")
 
 
 def agreed_in_loop():

@@ -314,7 +314,7 @@ def broadcast_from_rank0(obj):
     the rendezvous store where there is one (torchrun or srun): rank 0 posts it and goes on, the others poll the
     store on the host, however long rank 0 takes (a checkpoint write, a dataset download), without a collective
     that --collective_timeout (NCCL's watchdog) would end (utils/health.py). Without a store (a dry run, a process
-    group made elsewhere) a collective broadcast."""
+    group made elsewhere, torchrun's agent that held it gone) a collective broadcast."""
     if not dist.is_initialized() or is_dry_run():
         return obj
     if health.has_store():

@@ -13,8 +13,10 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # communicator aborted, or its watchdog's timeout)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
              "NCCL communicator")
-# a collective waited longer than its group's timeout (--collective_timeout): gloo's words, NCCL's watchdog's
-TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
+# a collective waited longer than its group's timeout (--collective_timeout): gloo's words (a recv's wait; a pair of
+# sockets closed by the timeout, as in DDP's all-reduce), NCCL's watchdog's
+TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation "
+             "timeout")
 _job = {}  # "announce": a OneRankError to the other ranks, then leave; "explain": a lost peer in one line or None
 
 

@@ -35,6 +35,8 @@ RANK0_BEAT_S = 2.0  # how often rank 0's heartbeat thread writes its count in th
 RANK0_SILENT_S = 20.0  # a rank 0 whose heartbeat has not moved for this long is gone (torchrun's agent holds the
 # store then, and kills every rank 30 s after one died): shorter than that, longer than any pause of a live thread
 RANK0_READ_WAIT_S = 10.0  # how long rank 0 waits for the others to read an error it posted before it exits
+FREEZE_TICK_S = 0.5  # how often each rank's freeze watch looks at the clock
+FAILING_STORE_WAIT_S = 5.0  # how long a rank that is stopping waits for the store to answer (its host may be frozen)
 
 
 def world_rank():
@@ -51,7 +53,10 @@ def watch(store, timeout, forget_groups):
     seconds), hand utils/errors.py this module's way of ending a job in one line, and start rank 0's heartbeat.
     `forget_groups()` drops comm.py's groups when this rank leaves the job on a failure."""
     _job.update(store=store, timeout=timeout, forget_groups=forget_groups)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the store's host: torchrun's agent, our parent
+        _job["launcher"] = os.getppid()
     on_job_failures(announce_failure, explain_lost_peer, claim_user_error)
+    _watch_for_freezes()
     if world_rank() == 0:
         _beat_while_alive(store)
 
@@ -59,12 +64,101 @@ def watch(store, timeout, forget_groups):
 def forget():
     """This process's job has ended (comm.destroy): stop the heartbeat, drop the store and what was noted."""
     _stop_heartbeat()
+    _job.get("freeze_watch", threading.Event()).set()
     _job.clear()
     on_job_failures()  # a later error of this process is no longer a peer's
 
 
+def launcher_gone():
+    """Whether torchrun's agent, which started this rank and holds the rendezvous store, has died (the kernel gave
+    this rank another parent): then no store request can be answered, and none is sent (each would print a C++
+    stack of torch's)."""
+    return _job.get("launcher") is not None and os.getppid() != _job["launcher"]
+
+
 def has_store():
-    return _job.get("store") is not None
+    """Whether the rendezvous store can be asked: there is one, and its host (torchrun's agent) is alive."""
+    return _job.get("store") is not None and not launcher_gone()
+
+
+class _BoundedStore:
+    """The rendezvous store whose every request waits at most FAILING_STORE_WAIT_S (TCPStore's add, check and set
+    wait for ever on a host that is frozen, whatever set_timeout says): each runs in a daemon thread, and one that
+    does not answer in time makes this and every later request raise RuntimeError at once. The thread left waiting
+    holds no lock of Python's; the process exits with it (a host that wakes in the very milliseconds of this
+    process's exit could make that exit an abort)."""
+
+    def __init__(self, store):
+        self.store, self.hung = store, False
+
+    def _ask(self, name, *args):
+        if self.hung:
+            raise RuntimeError("the rendezvous store does not answer")
+        answer = {}
+
+        def ask():
+            try:
+                answer["value"] = getattr(self.store, name)(*args)
+            except BaseException as err:  # handed to the asking thread
+                answer["error"] = err
+        thread = threading.Thread(target=ask, name="store-request", daemon=True)
+        thread.start()
+        thread.join(FAILING_STORE_WAIT_S)
+        if thread.is_alive():
+            self.hung = True
+            raise RuntimeError(f"the rendezvous store did not answer within {FAILING_STORE_WAIT_S:g} s")
+        if "error" in answer:
+            raise answer["error"]
+        return answer["value"]
+
+    def __getattr__(self, name):
+        if not callable(getattr(self.store, name)):
+            return getattr(self.store, name)
+        return lambda *args: self._ask(name, *args)
+
+
+def failing_store():
+    """The store, for a rank whose job is failing, each request bounded (_BoundedStore): its host, rank 0's process,
+    may be frozen. None without one, or when its host, torchrun's agent, is gone."""
+    store = _job.get("store")
+    if store is None or launcher_gone():
+        return None
+    if getattr(_job.get("bounded"), "store", None) is not store:
+        _job["bounded"] = _BoundedStore(store)
+    return _job["bounded"]
+
+
+def speaks_without_store(rank):
+    """Whether this rank says why the job stops when rank 0's store does not answer (rank 0's process held it and
+    is gone or frozen): one rank a node, the first, and on rank 0's node (the ranks are numbered node by node,
+    so rank - LOCAL_RANK is 0 there) also the second, rank 0 being the one that stopped."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return local == 0 or (rank - local == 0 and local == 1)
+
+
+def _watch_for_freezes():
+    """A daemon thread of each rank that notes when the whole process could not run for a while (SIGSTOP, a node
+    frozen or suspended): its clock jumps between two looks. A rank stopped longer than the others' patience was
+    the one the job gave up on; woken, it must not add a line blaming the others (was_frozen)."""
+    stop = threading.Event()
+
+    def watch():
+        last = time.monotonic()
+        while not stop.wait(FREEZE_TICK_S):
+            now = time.monotonic()
+            if now - last > 4 * FREEZE_TICK_S:
+                _job["frozen"] = (now - last, now)  # how long, and when it ended
+            last = now
+    threading.Thread(target=watch, name="freeze-watch", daemon=True).start()
+    _job["freeze_watch"] = stop
+
+
+def was_frozen():
+    """Whether this process was frozen (no thread ran) for more than half --collective_timeout, lately: the other
+    ranks then timed out waiting for it, and their line says so."""
+    seconds, ended = _job.get("frozen", (0.0, 0.0))
+    timeout = _job.get("timeout", 600)
+    return seconds > max(2.0, timeout / 2) and time.monotonic() - ended < timeout + 60
 
 
 def _beat_while_alive(store):
@@ -78,7 +172,7 @@ def _beat_while_alive(store):
 
     def beat():
         with contextlib.suppress(Exception):  # the store is gone (the job ends), or a new one replaced it
-            while _job.get("store") is store and not stop.is_set():
+            while _job.get("store") is store and not stop.is_set() and not launcher_gone():
                 store.add("rank0_beat", 1)
                 stop.wait(RANK0_BEAT_S)
     thread = threading.Thread(target=beat, name="rank0-heartbeat", daemon=True)
@@ -111,6 +205,8 @@ def post_from_rank0(obj):
     """Rank 0's `obj` on every rank through the store (comm.broadcast_from_rank0): rank 0 posts it and goes on, the
     others poll the store on the host, however long rank 0 takes, and stop when rank 0's heartbeat stops."""
     store = _job["store"]
+    if launcher_gone():
+        raise RuntimeError("Connection closed by peer: torchrun's agent, the store's host, is gone")
     _job["posts"] = _job.get("posts", 0) + 1  # every rank counts the same posts: the key of this one
     key = f"rank0_post/{_job['posts']}"
     if world_rank() == 0:
@@ -122,6 +218,8 @@ def post_from_rank0(obj):
     pause, beat, beat_moved = rendezvous.store_poll_pause(world, RANK0_POLL_S[0], requests=3), None, time.monotonic()
     try:
         while not store.check([key]):  # check, not wait: a wait that times out warns on stderr every time
+            if launcher_gone():
+                raise RuntimeError("Connection closed by peer: torchrun's agent, the store's host, is gone")
             if store.check(["failed"]):  # rank 0 said why it stops (a OneRankError): its line is the job's last
                 raise RuntimeError("Connection closed by peer: rank 0 stopped with its own line")
             now_beat = store.add("rank0_beat", 0)
@@ -163,7 +261,7 @@ def announce_failure(message):
     fails at once (gloo), or is aborted (NCCL, where torch can abort), instead of waiting for NCCL's timeout; they
     read the note and exit without a line of their own (explain_lost_peer), so this rank's line is the job's last
     word. On a cluster `srun --kill-on-bad-exit=1` (the submit scripts) ends the others as well."""
-    store = _job.get("store")
+    store = failing_store()
     rank, world = world_rank(), world_size_to_be()
     try:
         if store is not None:
@@ -190,7 +288,7 @@ def claim_user_error():
     then need not wait for them). Rank 0 claims at once; another rank first waits USER_ERROR_WAIT_S for rank 0,
     which finds the same error when every rank reads the same flags, config and files. A rank alone with its error
     (its node's missing mount or data) says it itself. Without a store (gone with rank 0): rank 0 says it."""
-    store, rank = _job.get("store"), world_rank()
+    store, rank = failing_store(), world_rank()
     try:
         if rank != 0:
             deadline, pause = time.time() + USER_ERROR_WAIT_S, rendezvous.store_poll_pause(world_size_to_be(), 0.05)
@@ -212,10 +310,18 @@ def explain_lost_peer(err):
     has marked itself or its failure, so the store outlives the others' questions. A store that cannot be reached
     went with its host, rank 0: then the first rank of each node says so."""
     rank, world = world_rank(), world_size_to_be()
+    if launcher_gone():  # its store went with it: one line a node, without a question to the store
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return None
+        return (f"rank {rank}: the launcher that started this node's ranks (torchrun, process {_job['launcher']}) "
+                f"stopped (killed, or its job ended), and with it the rendezvous store; the job stops; "
+                f"{resume_point()}")
+    if was_frozen():
+        return None  # the others timed out waiting for this rank: the first of them said so
     if any(pattern in str(err) for pattern in TIMED_OUT):
         return explain_timeout(rank, world)
     cause = next((pattern for pattern in PEER_LOST if pattern in str(err)), "a collective failed")
-    store = _job.get("store")
+    store = failing_store()
     try:
         mark_alive(store, rank)
         deadline, pause = time.time() + LOST_PEER_CENSUS_S, rendezvous.store_poll_pause(world, 0.05)
@@ -227,7 +333,7 @@ def explain_lost_peer(err):
             with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
                 linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
-        if os.environ.get("LOCAL_RANK", "0") != "0":
+        if not speaks_without_store(rank):
             return None
         lost = [0] if rank != 0 else []
     if lost is None:
@@ -242,24 +348,35 @@ def explain_lost_peer(err):
 def explain_timeout(rank, world):
     """This rank's line when a collective waited longer than --collective_timeout, or None: only the first rank to
     time out speaks (the store counts them) and notes itself as the failing one, so that the slow rank, which finds
-    the others gone when it reaches the collective, stays quiet (explain_lost_peer)."""
-    store, first = _job.get("store"), True
+    the others gone when it reaches the collective, stays quiet (explain_lost_peer). It names the ranks that did not
+    reach the collective: the others that wait in it time out too and mark themselves alive within
+    LOST_PEER_CENSUS_S; a rank stopped (SIGSTOP, a frozen node) or stuck does not."""
+    store, first, stalled = failing_store(), True, []
     try:
         first = store.add("timed_out", 1) == 1
         mark_alive(store, rank)
         if first:
             store.set("failed", str(rank))
+            deadline, pause = time.time() + LOST_PEER_CENSUS_S, rendezvous.store_poll_pause(world, 0.05)
+            while time.time() < deadline and store.add("alive_count", 0) < world:
+                time.sleep(pause)
+            stalled = [other for other in range(world) if not store.check([f"alive/{other}"])]
+            store.add("alive_count", len(stalled))  # counted as accounted for: rank 0 does not linger for them
         if rank == 0:
             linger_for_the_others(store, world)
-    except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host
-        first = os.environ.get("LOCAL_RANK", "0") == "0"
+    except (AttributeError, RuntimeError, OSError):  # no store, or its host (rank 0) is gone or frozen
+        first, stalled = speaks_without_store(rank), [] if rank == 0 else [0]
     if not first:
         return None
-    again = resume_point()
-    return (f"rank {rank}: a collective waited longer than --collective_timeout "
-            f"({_job.get('timeout', 600):g} s) for the other ranks (one of them is slow or "
+    timeout = f"--collective_timeout ({_job.get('timeout', 600):g} s)"
+    if stalled:
+        named = ", ".join(map(str, stalled[:8])) + (f" and {len(stalled) - 8} more" if len(stalled) > 8 else "")
+        return (f"rank {rank}: rank{'s' if len(stalled) > 1 else ''} {named} did not reach a collective within "
+                f"{timeout} (stopped, or stuck: a file system, a compile, a hung GPU); the job stops; raise "
+                f"--collective_timeout if that wait is expected; {resume_point()}")
+    return (f"rank {rank}: a collective waited longer than {timeout} for the other ranks (one of them is slow or "
             f"stuck: a file system, a compile, a hung GPU); the job stops; raise --collective_timeout if that wait "
-            f"is expected; {again}")
+            f"is expected; {resume_point()}")
 
 
 def mark_alive(store, rank):
@@ -281,7 +398,8 @@ def lost_if_lowest_alive(store, rank, world):
 
 def linger_for_the_others(store, world):
     """Rank 0 leaving on a failure: wait (at most LOST_PEER_LINGER_S) until every rank has marked itself alive or
-    failed in the store its process may hold, so that none finds the store gone while it asks."""
+    failed in the store its process may hold, so that none finds the store gone while it asks; the ranks that a
+    timeout found stalled are counted as accounted for (explain_timeout) and not waited for."""
     deadline = time.time() + LOST_PEER_LINGER_S
     while time.time() < deadline:
         failing = int(store.get("failed")) if store.check(["failed"]) else None

@@ -108,9 +108,11 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s, collective
 
 def check_same_job(store, rank, addr, port, job=None):
     """Rank 0 writes its Slurm job id (`job`; default $SLURM_JOB_ID, '' outside Slurm) in the store; every other
-    rank checks it: two jobs sharing a node can pick the same MASTER_PORT (export_DDP_vars.sh derives it from the
-    job id), and then the second job's rank 0 cannot listen while its other ranks reach the first job's store and
-    would read that job's keys. Such a rank stops in one line (a OneRankError: its own finding) instead."""
+    rank checks it and claims its rank number there: two jobs sharing a node can pick the same MASTER_PORT
+    (export_DDP_vars.sh derives it from the job id; ranks started by hand keep the default), and then the second
+    job's rank 0 cannot listen while its other ranks reach the first job's store and would wait in that job's
+    rendezvous for good. Such a rank stops in one line (a OneRankError: its own finding) instead: another job's id,
+    or, outside Slurm, its rank number already claimed by that job's rank."""
     job = os.environ.get("SLURM_JOB_ID", "") if job is None else job
     if rank == 0:
         store.set("slurm_job_id", job)
@@ -124,6 +126,9 @@ def check_same_job(store, rank, addr, port, job=None):
         raise OneRankError(f"the rank 0 answering at {addr}:{port} belongs to another job (Slurm job "
                            f"{theirs or 'none'}, this is {job or 'none'}): two jobs sharing a node took the same "
                            "port; set MASTER_PORT to a free port and submit again")
+    if store.add(f"rank_claims/{rank}", 1) != 1:
+        raise OneRankError(f"the job whose rank 0 answers at {addr}:{port} already has a rank {rank}: another job "
+                           "(or a process left over) holds that port; set MASTER_PORT to a free port and start again")
 
 
 # The rendezvous store is one server (in rank 0's process, or torchrun's agent) that every rank asks; of the order of

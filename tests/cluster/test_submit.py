@@ -600,17 +600,22 @@ def test_a_rank_that_reaches_another_jobs_store_stops_in_one_line():
     outside = torch.distributed.HashStore()
     check_same_job(outside, 0, "localhost", 29500, job="")
     check_same_job(outside, 1, "localhost", 29500, job="")
-
+    check_same_job(outside, 2, "localhost", 29500, job="")
+    with pytest.raises(OneRankError, match=r"^the job whose rank 0 answers at localhost:29500 already has a rank 1: "
+                                           r"another job \(or a process left over\) holds that port"):
+        check_same_job(outside, 1, "localhost", 29500, job="")  # a second job's rank 1, started by hand
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-@pytest.mark.parametrize("checked", [True, pytest.param(False, marks=pytest.mark.long)])
+@pytest.mark.parametrize("slurm", [True, False], ids=["slurm", "by_hand"])
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "twin_unchecked"])
 def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_trains_on(era5_dir, tmp_path,
-                                                                                         checked):
+                                                                                         checked, slurm):
     """Job 111's 2 ranks train; job 222's 2 ranks start on the same node and port: its rank 0 cannot listen and
-    says the port is taken, its rank 1 reaches job 111's store and says so, both exit 2 within seconds, and job 111
-    finishes. The twin without the job check: job 222's rank 1 hangs in job 111's rendezvous (or, when job 111 ends
-    first, fails in a C++ stack of its store) without saying why."""
+    says the port is taken, its rank 1 reaches job 111's store and says so (under Slurm: another job's id; started
+    by hand, without job ids: its rank number already claimed), both exit 2 within seconds, and job 111 finishes.
+    The twin without the job check: job 222's rank 1 hangs in job 111's rendezvous (or, when job 111 ends first,
+    fails in a C++ stack of its store) without saying why."""
     script = tmp_path / "rank.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\nimport train, utils.rendezvous\n"
                       f"if not {checked}:\n    utils.rendezvous.check_same_job = lambda *args, **kwargs: None\n"
@@ -621,8 +626,11 @@ def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_
         argv = [sys.executable, str(script), "--config", "tiny", "--data_dir", era5_dir, "--num_iters", str(iters),
                 "--expdir", str(tmp_path / name), "--num_data_workers", "0", "--dist_timeout", "15"]
         logs = [open(tmp_path / f"{name}.{rank}.log", "w+") for rank in range(2)]
-        return [subprocess.Popen(argv, cwd=REPO_ROOT, env=plain_rank_env(rank, 2, port, SLURM_JOB_ID=name),
-                                 stdout=log, stderr=subprocess.STDOUT) for rank, log in enumerate(logs)], logs
+        envs = [plain_rank_env(rank, 2, port, SLURM_JOB_ID=name) for rank in range(2)]
+        for env in envs if not slurm else []:
+            del env["SLURM_JOB_ID"]
+        return [subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                for env, log in zip(envs, logs)], logs
 
     first, first_logs = job("111", 400)
     deadline = time.time() + 120
@@ -642,7 +650,8 @@ def test_two_jobs_on_one_port_the_second_stops_in_one_line_a_rank_and_the_first_
         log.close()
     assert codes[0] == 2 and "rank 0 cannot listen on 127.0.0.1:" in outputs[0] and "the port is taken" in outputs[0]
     line = (f"error: rank 1: the rank 0 answering at 127.0.0.1:{port} belongs to another job (Slurm job 111, this "
-            "is 222)")
+            "is 222)" if slurm else f"error: rank 1: the job whose rank 0 answers at 127.0.0.1:{port} already has a "
+            "rank 1")
     if checked:
         assert codes[1] == 2 and line in outputs[1], outputs[1][-3000:]
     else:  # it hangs in job 111's rendezvous, or meets that job's end in a C++ stack, without a word of why

@@ -441,3 +441,16 @@ def test_gpu_session_merges_into_the_committed_report_unless_fresh(tmp_path):
         f"error: --fresh starts a report of its own, and {merged} already holds one; choose an empty DIR")
     flag_first = session("--fresh")
     assert flag_first.returncode == 2 and "name the report's folder first" in flag_first.stderr
+
+
+def test_bench_checkpoint_times_the_digest_on_save_and_load(tmp_path, capsys):
+    """benchmarks/bench_checkpoint.py on the tiny config: the digest, the saves and the loads are timed, the file
+    holds the config's tensors, and the shares add up; the figures for `mp` are in docs/benchmarks.md."""
+    from benchmarks import bench_checkpoint
+    out = tmp_path / "digest.json"
+    report = bench_checkpoint.main(["--config", "tiny", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["parameters"] == 47_008 and report["file_bytes"] > report["tensor_bytes"] > 3 * 4 * 47_008
+    assert 0 < report["digest_s"] < report["save_checkpoint_s"]
+    assert report["digest_share_of_save"] == pytest.approx(report["digest_s"] / report["save_checkpoint_s"])
+    assert not list(tmp_path.glob("bench_checkpoint_*"))  # its files removed

@@ -27,6 +27,7 @@ from lifecycle.checkpoint import (
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.compat  # torch.save's and torch.load's bytes on torch 2.5 too
 FLAGS = ("--num_iters", "12", "--checkpoint_interval", "4")
 
 
@@ -250,3 +251,25 @@ def test_a_whole_temporary_file_finishes_the_save_it_belonged_to(written, tmp_pa
     assert f"Resumed from {newest} at iteration 12" in err
     assert sorted(os.listdir(os.path.dirname(newest))) == ["ckpt.pt", "ckpt_previous.pt"]
     assert load_checkpoint(previous_path(newest))["iteration"] == 8
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_train_mp_checks_the_digest_of_the_checkpoint_it_gathers(written, tmp_path, capsys, monkeypatch, checked):
+    """train_mp.py writes the serial model gathered on rank 0 through the same save: a flipped bit in its ckpt.pt
+    sends it back to ckpt_previous.pt, to the uninterrupted run's weights (train_mp.py at tp=cp=1 is train.py).
+    Twin, unchecked: it resumes from the damaged file without a word, to other weights."""
+    import train_mp
+    data, _, whole = written
+    monkeypatch.chdir(REPO_ROOT)
+    train_mp.main(tiny(data, tmp_path, *FLAGS, "--stop_at_iter", "8"))
+    newest = os.path.join(str(tmp_path), "tiny", "1MP", "00", "checkpoints", "ckpt.pt")
+    damage(newest, "bit")
+    if not checked:
+        unchecked(monkeypatch)
+    capsys.readouterr()
+    train_mp.main(tiny(data, tmp_path, *FLAGS))
+    err = capsys.readouterr().err
+    resumed = torch.load(newest, weights_only=False)
+    assert resumed["iteration"] == 12
+    assert ("does not hold what was written" in err) == checked, err
+    assert same_weights(resumed["model"], whole["model"]) == checked

@@ -7,14 +7,16 @@ output), the slowness injected by a script written into the test's folder (no sw
 A failure points to utils/comm.py (broadcast_from_rank0, explain_timeout, _build_groups) or utils/rendezvous.py.
 """
 import datetime
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
 
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, run_plain_ranks
+from tests.conftest import REPO_ROOT, free_port, plain_rank_env, run_plain_ranks
 
 # what each rank runs: train.py, with `slow` rank's 13th training read (mid-epoch) or its first checkpoint write
 # taking 8 s; `collective_wait` puts back the old wait for rank 0 (a collective broadcast: the twin)
@@ -149,8 +151,10 @@ def test_nccl_is_told_the_gpu_and_every_group_the_timeout(monkeypatch, backend, 
 
 
 def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
-    """Of the ranks whose collective timed out, the first one (the store counts them) says so and marks itself the
-    failing one; the others say nothing (the slow rank then finds the failing note and stays quiet too)."""
+    """Of the ranks whose collective timed out, the first one (the store counts them) says so, naming the ranks that
+    did not mark themselves within the census (rank 1, stalled; none when every rank reached the collective, the
+    old line then), marks itself the failing one and counts the stalled as accounted for; the others say nothing
+    (the slow rank then finds the failing note and stays quiet too). gloo's two wordings are both timeouts."""
     from utils import health
 
     class Store:
@@ -167,18 +171,27 @@ def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
         def check(self, keys):
             return all(key in self.values for key in keys)
 
-    store = Store()
-    monkeypatch.setitem(health._job, "store", store)
-    monkeypatch.setitem(health._job, "timeout", 5.0)
-    monkeypatch.setattr(health, "world_size_to_be", lambda: 4)
-    monkeypatch.setattr(health, "linger_for_the_others", lambda store, world: None)
-    said = []
-    for rank in (2, 3):
-        monkeypatch.setattr(health, "world_rank", lambda rank=rank: rank)
-        said.append(health.explain_lost_peer(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 5000ms for recv")))
-    assert said[0].startswith("rank 2: a collective waited longer than --collective_timeout (5 s)") and \
-        said[1] is None, said
-    assert store.values["failed"] == "2"
+    for errors, stalled in [(["Timed out waiting 5000ms for recv"] * 2, [1]),
+                            (["Application timeout caused pair closure"] * 2, [])]:
+        store = Store()
+        monkeypatch.setitem(health._job, "store", store)
+        monkeypatch.setitem(health._job, "timeout", 5.0)
+        monkeypatch.setattr(health, "world_size_to_be", lambda: 4)
+        monkeypatch.setattr(health, "linger_for_the_others", lambda store, world: None)
+        monkeypatch.setattr(health, "LOST_PEER_CENSUS_S", 0.2)
+        for other in set(range(4)) - set(stalled) - {2}:  # they wait in the collective too, and time out
+            health.mark_alive(store, other)
+        said = []
+        for rank, error in zip((2, 3), errors):
+            monkeypatch.setattr(health, "world_rank", lambda rank=rank: rank)
+            said.append(health.explain_lost_peer(RuntimeError(f"[unbound_buffer.cc:78] {error}")))
+        if stalled:  # rank 1 never reached it
+            assert said[0].startswith("rank 2: rank 1 did not reach a collective within --collective_timeout (5 s) "
+                                      "(stopped, or stuck"), said
+        else:  # every rank reached it: no rank to name
+            assert said[0].startswith("rank 2: a collective waited longer than --collective_timeout (5 s)"), said
+        assert said[1] is None and store.values["failed"] == "2", said
+        assert store.values["alive_count"] == 4  # rank 1, stalled, counted: rank 0 would not linger for it
 
 
 class PollStore:
@@ -269,3 +282,111 @@ def test_rank_0_exits_with_its_own_code_while_its_heartbeat_beats(tmp_path, unpr
         assert done.returncode == -6 and "terminate called" in done.stderr, (done.returncode, done.stderr[-2000:])
     else:
         assert done.returncode == 2 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+# ---------------------------------------------------------------- a rank stopped (SIGSTOP) in the middle of training
+
+STOPPED_SCRIPT = """\
+import sys
+sys.path.insert(0, {root!r})
+import utils.errors
+import utils.health
+import train
+
+if {old_wording}:  # gloo's "Application timeout caused pair closure" (DDP's all-reduce) not taken for a timeout
+    utils.errors.TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
+if {no_freeze_watch}:  # a rank woken after a stop does not know it was stopped
+    utils.health.was_frozen = lambda: False
+train.main(sys.argv[1:])
+"""
+
+
+def stop_a_rank(era5, tmp_path, stopped, local_ranks=(0, 1), old_wording=False, no_freeze_watch=False):
+    """2 plain ranks of train.py (tiny, --collective_timeout 5); once they train, rank `stopped` is stopped
+    (SIGSTOP) until the other has exited, then woken (SIGCONT). Returns (exit codes, outputs, seconds from the stop
+    to the other rank's exit). `local_ranks`: each rank's LOCAL_RANK ((0, 0): as on two nodes)."""
+    script = tmp_path / "rank.py"
+    script.write_text(STOPPED_SCRIPT.format(root=REPO_ROOT, old_wording=old_wording,
+                                            no_freeze_watch=no_freeze_watch))
+    port, processes, logs = free_port(), [], []
+    for rank in range(2):
+        env = plain_rank_env(rank, 2, port)
+        env["LOCAL_RANK"] = str(local_ranks[rank])
+        logs.append(open(tmp_path / f"rank{rank}.log", "w+"))
+        processes.append(subprocess.Popen(
+            [sys.executable, str(script), "--config", "tiny", "--data_dir", era5, "--expdir", str(tmp_path / "exp"),
+             "--num_iters", "100000", "--local_batch_size", "1", "--num_data_workers", "0", "--dist_timeout", "60",
+             "--collective_timeout", "5"], cwd=REPO_ROOT, env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
+    other = processes[1 - stopped]
+    try:
+        deadline = time.time() + 120
+        while "Starting Training Loop" not in (tmp_path / "rank0.log").read_text() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # a few steps in
+        processes[stopped].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        other.wait(timeout=90)
+        seconds = time.time() - stopped_at
+        processes[stopped].send_signal(signal.SIGCONT)
+        processes[stopped].wait(timeout=90)
+    finally:
+        for process in processes:
+            process.kill()
+            process.send_signal(signal.SIGCONT) if process.poll() is None else None
+            process.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return [process.returncode for process in processes], outputs, seconds
+
+
+@pytest.mark.multiprocess
+@pytest.mark.compat  # gloo's words for a timeout on torch 2.5 too
+@pytest.mark.parametrize("stopped", [1, pytest.param(0, marks=pytest.mark.long)])
+def test_a_stopped_rank_is_named_by_the_rank_that_timed_out_and_stays_quiet_when_woken(era5, tmp_path, stopped):
+    """Rank `stopped` is stopped mid-epoch: the other's all-reduce (in DDP's backward) times out as gloo's
+    "Application timeout caused pair closure"; it says, in the job's one line, which rank did not reach the
+    collective, and exits 2 within the timeout (5 s), the census (1 s) and, where rank 0 is the one stopped, the wait
+    for its store (5 s), with a margin for a machine twice as slow; the stopped rank, woken after that, exits without
+    a line. (Rank 0 stopped: the store it holds does not answer either.)"""
+    codes, outputs, seconds = stop_a_rank(era5, tmp_path, stopped)
+    console = "".join(outputs)
+    errors = errors_of(outputs)
+    speaker = 1 - stopped
+    assert errors == [f"error: rank {speaker}: rank {stopped} did not reach a collective within --collective_timeout "
+                      "(5 s) (stopped, or stuck: a file system, a compile, a hung GPU); the job stops; raise "
+                      "--collective_timeout if that wait is expected; no checkpoint was written yet"], console[-3000:]
+    assert errors[0] in outputs[speaker]
+    assert codes[speaker] == 2 and codes[stopped] != 0, (codes, console[-3000:])
+    assert seconds < 2 * (5 + 1 + 5) + 5, seconds
+    assert "Traceback" not in console, console[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_twin_gloos_pair_closure_not_taken_for_a_timeout_is_a_traceback(era5, tmp_path):
+    """The wording above can fail: without "Application timeout caused pair closure" among the timeouts (as
+    before) the rank whose all-reduce timed out ends in a traceback and exit code 1."""
+    codes, outputs, _ = stop_a_rank(era5, tmp_path, 1, old_wording=True)
+    assert codes[0] == 1 and "RuntimeError: Application timeout caused pair closure" in outputs[0], outputs[0][-3000:]
+    assert not errors_of(outputs[:1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "twin_unwatched"])
+def test_a_rank_woken_on_another_node_adds_no_line_blaming_the_others(era5, tmp_path, watched):
+    """As on two nodes (LOCAL_RANK 0 on both): rank 1 is stopped, rank 0 names it and exits, taking its store; woken,
+    rank 1 finds its collective failed and the store gone. Its freeze watch knows it was stopped longer than half the
+    timeout: it exits without a line. Twin, unwatched: it blames rank 0 (that rank 0 did not reach a collective, or
+    stopped answering: whichever its own collective's failure was), a second line contradicting the first."""
+    codes, outputs, _ = stop_a_rank(era5, tmp_path, 1, local_ranks=(0, 0), no_freeze_watch=not watched)
+    assert codes[0] == 2 and errors_of(outputs[:1])[0].startswith("error: rank 0: rank 1 did not reach"), outputs[0]
+    if watched:
+        assert not errors_of(outputs[1:]), outputs[1][-3000:]
+    else:
+        blames = [line[:36] for line in errors_of(outputs[1:])]
+        assert blames in (["error: rank 1: rank 0 did not reach "], ["error: rank 1: rank 0 stopped answer"]), \
+            outputs[1][-3000:]

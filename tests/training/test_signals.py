@@ -374,8 +374,11 @@ import sys
 sys.path.insert(0, {root!r})
 import lifecycle.signals
 import train
+import utils.health
 if {switched_off}:
     lifecycle.signals.launcher_gone = lambda: False
+if {unsaid}:  # the stop still noticed, but the job's lines take the agent's store for alive
+    utils.health.launcher_gone = lambda: False
 train.main(sys.argv[1:])
 """
 
@@ -395,7 +398,7 @@ def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, t
     step boundary and stops as if signalled: a checkpoint, `stopped by SIGHUP`, the run lock released. Twin, with
     that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
     script = tmp_path / "rank.py"
-    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=switched_off))
+    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=switched_off, unsaid=False))
     expdir = str(tmp_path / f"orphans_{switched_off}")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
@@ -428,6 +431,58 @@ def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, t
         assert "the launcher (process" in output and "Traceback" not in output, output[-3000:]
         checkpoint = os.path.join(expdir, "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
         assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+    finally:
+        for pid in ranks_of(expdir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("said", [True, False], ids=["said", "twin_unsaid"])
+@pytest.mark.long
+def test_torchrun_killed_with_its_process_group_is_said_as_the_launchers_death(era5_dir, tmp_path, said):
+    """SIGKILL to torchrun's process group (its ranks, in sessions of their own, live on): the ranks stop at the
+    next step with a checkpoint, the first rank of the node says once that the launcher is gone, and no rank asks
+    the rendezvous store torchrun's agent held (a question to it prints a C++ stack of torch's) or blames another
+    rank. Twin, the launcher's death not known to the job's lines: a rank that waits for rank 0's post in that store
+    finds it gone and blames rank 0 ("stopped answering ... killed, out of memory"), with torch's C++ stack."""
+    script = tmp_path / "rank.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=False, unsaid=not said))
+    expdir = str(tmp_path / "orphans")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("WORLD_SIZE", None)
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                     "--master_port", str(free_port()), str(script), "--config", "tiny",
+                                     "--data_dir", era5_dir, "--num_iters", "100000", "--checkpoint_interval", "0",
+                                     "--num_data_workers", "0", "--expdir", expdir], cwd=REPO_ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = [pid for pid in ranks_of(expdir) if pid != launcher.pid]
+        assert len(ranks) == 2, ranks
+        time.sleep(1.0)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        assert launcher.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.time() + 120
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        output = log_path.read_text()
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], output[-3000:]
+        iteration = stopped_at(output, "SIGHUP")
+        checkpoint = os.path.join(expdir, "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
+        assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+        assert output.count(f"the launcher (process {launcher.pid}) is gone: stopping after this step") == 1, \
+            output[-3000:]
+        if said:
+            assert "stopped answering" not in output and "TCPStore.cpp" not in output and "frame #" not in output \
+                and "Traceback" not in output, output[-3000:]
+        else:
+            assert "rank 0 stopped answering" in output and "TCPStore.cpp" in output, output[-3000:]
     finally:
         for pid in ranks_of(expdir):
             with contextlib.suppress(ProcessLookupError):
