@@ -31,6 +31,15 @@ def refuse_processes(patch, item):
     patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+def pytest_sessionstart(session):
+    """matplotlib's first import on a machine builds its font cache, running `fc-list` in a process: done here, once
+    per pytest process, so that a test not marked multiprocess that draws the first figure (a run's validation)
+    does not start that process itself."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """From the set-up of a test's fixtures (module-scoped ones too) to their teardown:
