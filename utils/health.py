@@ -7,8 +7,11 @@ of utils/comm.py, which joins it (watch) once the ranks have met.
 - One line per job when it stops (utils/errors.py calls these): a rank that stops on its own error notes it in the
   store and leaves (announce_failure); the others, whose next collective fails, either read that note and leave
   quietly, or count who is still alive and the lowest survivor names the lost ranks (explain_lost_peer); the first
-  rank to time out in a collective says so (explain_timeout); a UserError every rank finds is said once
-  (claim_user_error). Each line says which checkpoint a restart resumes from (note_checkpoint).
+  rank to time out in a collective says so, naming the ranks that did not reach it (explain_timeout); a UserError
+  every rank finds is said once (claim_user_error). Each line says which checkpoint a restart resumes from
+  (note_checkpoint). A failing rank's questions to the store wait at most a few seconds (its host may be frozen);
+  a rank that was itself stopped (SIGSTOP, a frozen node) adds no line when it wakes (was_frozen); a rank whose
+  launcher, torchrun's agent, died asks the store it held nothing more (launcher_gone).
 - A teardown of the process group that cannot hang (leave_process_group).
 """
 import atexit
@@ -26,7 +29,9 @@ from utils.errors import PEER_LOST, TIMED_OUT, on_job_failures
 
 _job = {}  # "store": the rendezvous store, where a failing rank leaves its note; "checkpoint": the last one written
 # or resumed; "timeout": --collective_timeout (seconds); "posts": how many objects rank 0 has posted in the store;
-# "heartbeat": rank 0's beating thread; "forget_groups": what comm.py drops when this rank leaves on a failure
+# "heartbeat": rank 0's beating thread; "forget_groups": what comm.py drops when this rank leaves on a failure;
+# "launcher": torchrun's agent's pid; "freeze_watch", "frozen": the freeze watch and the last freeze it saw;
+# "bounded": the store with each request bounded (failing_store)
 LOST_PEER_CENSUS_S = 1.0  # how long the ranks that lost a peer wait for each other's note before naming the lost
 LOST_PEER_LINGER_S = 3.0  # how long rank 0 keeps the store up for the others' questions after a failure
 USER_ERROR_WAIT_S = 1.0  # how long a rank other than 0 waits for rank 0 to say a UserError both found
