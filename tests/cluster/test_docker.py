@@ -1,6 +1,7 @@
-"""docker/Dockerfile installs what requirements.txt lists, minus the packages the NGC PyTorch image provides.
+"""docker/Dockerfile installs what requirements.txt lists, minus the packages the NGC PyTorch image provides (its text
+and the filter script are checked; no image is built: no docker on CI).
 
-A failure points to: the Dockerfile no longer building on the NGC image or no longer installing the filtered
+A failure points to: the Dockerfile no longer starting from the NGC image or no longer installing the filtered
 requirements.txt (e.g. a hand-written package list that drifts from requirements.txt), or a build context that
 holds more than the copied files; docker/image_requirements.sh dropping a package it should keep (a prefix match
 taking `torchinfo` with `torch`) or keeping torch/torchvision; an excluded name that is no longer in
@@ -56,7 +57,11 @@ def test_the_filter_matches_whole_names_only(tmp_path):
                                         "nvidia-dali-cuda120"]
 
 
-def test_dockerfile_builds_on_ngc_pytorch_and_installs_the_filtered_file():
+def test_dockerfile_starts_from_ngc_pytorch_and_installs_the_filtered_requirements():
+    """The Dockerfile's text, read with regular expressions: FROM the NGC PyTorch image (24.08), one COPY of
+    requirements.txt and the filter, one RUN that filters and pip-installs the filtered file and nothing else, and a
+    build context of exactly the copied files. No image is built here (no docker on CI): whether the build succeeds
+    on the NGC image is not checked (docker/README.md's commands, by hand)."""
     with open(DOCKERFILE) as dockerfile:
         text = dockerfile.read()
     instructions = re.sub(r"\\\n\s*", " ", re.sub(r"(?m)^\s*#.*\n", "", text))  # no comments, continuations joined

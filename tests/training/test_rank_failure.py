@@ -56,6 +56,15 @@ train.main(sys.argv[1:])
 """
 
 
+# "in seconds": every process gone within ENDS_WITHIN_S of rank 1's failure, measured against the run's own events
+# (from the failing rank's timestamp of its failure to the last exit; the ranks' start-up is not counted). On one core
+# of this 2-core machine (taskset -c 0: half of it, 2026-11-29) that took 1.7 s (2 ranks, the error) to 5.0 s (rank 1
+# killed) and 5.7 s (4 ranks), mostly the handling's fixed waits (the census's 1 s, rank 0's linger of up to 3 s),
+# which a slower machine does not lengthen: even all of it twice as long keeps 15 s. A wait that grows past it fails
+# (the census at 20 s: 24 s, rank 1 killed). docs/testing.md and docs/cluster.md quote the 15 s.
+ENDS_WITHIN_S = 15
+
+
 @pytest.fixture(scope="module")
 def era5(tmp_path_factory):
     return str(write_era5(tmp_path_factory.mktemp("failure") / "era5", height=16, width=32, steps_per_year=24,
@@ -85,7 +94,7 @@ def test_one_ranks_error_ends_the_job_in_seconds_with_its_line_last(era5, tmp_pa
     codes, outputs, seconds = job(era5, tmp_path, ranks, "error")
     console = "".join(outputs)
     assert all(code != 0 for code in codes) and codes[1] == 2, (codes, console[-3000:])
-    assert seconds < 15, seconds
+    assert seconds < ENDS_WITHIN_S, seconds
     errors = [line for line in console.splitlines() if line.startswith("error: ")]
     assert errors == ["error: rank 1: sample 12 of the shard cannot be read (injected)"], console[-3000:]
     assert errors[0] in outputs[1] and "Traceback" not in console, console[-3000:]
@@ -113,7 +122,7 @@ def test_an_error_only_one_rank_finds_is_said_by_it_once(era5, tmp_path, mode, l
     (the disk), and rank 0 said that rank 1 stopped answering without a line of its own."""
     codes, outputs, seconds = job(era5, tmp_path, 2, mode)
     console = "".join(outputs)
-    assert codes[1] == 2 and codes[0] != 0 and seconds < 15, (codes, seconds, console[-3000:])
+    assert codes[1] == 2 and codes[0] != 0 and seconds < ENDS_WITHIN_S, (codes, seconds, console[-3000:])
     errors = [line for line in console.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(line) and errors[0] in outputs[1], console[-3000:]
 
@@ -135,7 +144,7 @@ def test_a_rank_killed_without_a_word_is_named_with_the_checkpoint_to_resume_fro
     codes, outputs, seconds = job(era5, tmp_path, 2, "kill")
     console = "".join(outputs)
     assert codes == [2, -9], (codes, console[-3000:])
-    assert seconds < 15, seconds
+    assert seconds < ENDS_WITHIN_S, seconds
     errors = [line for line in console.splitlines() if line.startswith("error: ")]
     checkpoint = tmp_path / "exp" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt"
     last = re.findall(r"Checkpoint of iteration (\d+) written", outputs[0])[-1]  # rank 1 died in a later step

@@ -14,13 +14,14 @@ STEPS = 12  # the signal comes in step 6 on the last rank
 def test_every_rank_stops_at_the_same_boundary_the_lag_after_the_signal():
     """3 ranks: waited for at every boundary, all stop after the step the signal came in (6); in the loop, all stop
     AGREEMENT_LAG boundaries later, together. Twin: each rank on its own flag (no agreement), only the signalled
-    rank would stop, and the others would train on: the check the agreements pass can fail."""
+    rank would stop, and the others would train on: the check the agreements pass can fail. What each way costs a
+    step is not this test's claim but bench_agreement's measurement (make bench-agreement, docs/benchmarks.md): the
+    row's ms_per_step is not asserted."""
     row = bench_agreement.measure(3, 0.005, STEPS, asked=("blocking", "in loop", "alone"))
     assert row["blocking"]["stopped_at"] == [STEPS // 2] and row["blocking"]["same_stop_on_every_rank"]
     assert row["in loop"]["stopped_at"] == [STEPS // 2 + signals.AGREEMENT_LAG]
     assert row["in loop"]["same_stop_on_every_rank"]
     assert not row["alone"]["same_stop_on_every_rank"] and row["alone"]["stopped_at"] == [STEPS // 2, None]
-    assert all(row[way]["ms_per_step"]["max"] >= 0 for way in ("blocking", "in loop"))
 
 
 def test_a_single_process_stops_after_the_step_the_signal_came_in(monkeypatch):
