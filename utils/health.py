@@ -133,12 +133,14 @@ def failing_store():
     return _job["bounded"]
 
 
-def speaks_without_store(rank):
-    """Whether this rank says why the job stops when rank 0's store does not answer (rank 0's process held it and
-    is gone or frozen): one rank a node, the first, and on rank 0's node (the ranks are numbered node by node,
-    so rank - LOCAL_RANK is 0 there) also the second, rank 0 being the one that stopped."""
+def speaks_without_store(rank, store):
+    """Whether this rank says why the job stops when rank 0's store cannot be asked. Gone (rank 0's process held it
+    and has exited, after its own line or killed): the first rank of each node. Not answering (rank 0 is frozen,
+    and cannot speak): on rank 0's node the second rank too (the ranks are numbered node by node, so rank -
+    LOCAL_RANK is 0 there). A rank merely slower than the timeout, which finds the store gone when it comes back,
+    then stays quiet on rank 0's node, where rank 0 named it."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    return local == 0 or (rank - local == 0 and local == 1)
+    return local == 0 or (getattr(store, "hung", False) and rank - local == 0 and local == 1)
 
 
 def _watch_for_freezes():
@@ -338,7 +340,7 @@ def explain_lost_peer(err):
             with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
                 linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or it is gone with its host: one line a node
-        if not speaks_without_store(rank):
+        if not speaks_without_store(rank, store):
             return None
         lost = [0] if rank != 0 else []
     if lost is None:
@@ -366,11 +368,10 @@ def explain_timeout(rank, world):
             while time.time() < deadline and store.add("alive_count", 0) < world:
                 time.sleep(pause)
             stalled = [other for other in range(world) if not store.check([f"alive/{other}"])]
-            store.add("alive_count", len(stalled))  # counted as accounted for: rank 0 does not linger for them
         if rank == 0:
             linger_for_the_others(store, world)
     except (AttributeError, RuntimeError, OSError):  # no store, or its host (rank 0) is gone or frozen
-        first, stalled = speaks_without_store(rank), [] if rank == 0 else [0]
+        first, stalled = speaks_without_store(rank, store), [] if rank == 0 else [0]
     if not first:
         return None
     timeout = f"--collective_timeout ({_job.get('timeout', 600):g} s)"
@@ -403,8 +404,8 @@ def lost_if_lowest_alive(store, rank, world):
 
 def linger_for_the_others(store, world):
     """Rank 0 leaving on a failure: wait (at most LOST_PEER_LINGER_S) until every rank has marked itself alive or
-    failed in the store its process may hold, so that none finds the store gone while it asks; the ranks that a
-    timeout found stalled are counted as accounted for (explain_timeout) and not waited for."""
+    failed in the store its process may hold, so that none finds the store gone while it asks (a rank that a timeout
+    found stalled, back within the wait, reads that the job stops and stays quiet)."""
     deadline = time.time() + LOST_PEER_LINGER_S
     while time.time() < deadline:
         failing = int(store.get("failed")) if store.check(["failed"]) else None

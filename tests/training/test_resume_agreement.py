@@ -244,11 +244,13 @@ def test_a_damaged_newest_checkpoint_sends_every_rank_to_the_previous_one(writte
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
-@pytest.mark.parametrize("how,where", [("bit", "newest"), ("bytes", "both")])
+@pytest.mark.parametrize("where", ["newest", "both"])
+@pytest.mark.parametrize("how", ["bit", "bytes"])
 def test_two_ranks_check_the_digest_of_rank_0s_choice(written_run, tmp_path, how, where, checked):
-    """Two ranks, a flipped bit in ckpt.pt: both resume from ckpt_previous.pt (iteration 2), said once; 100 flipped
-    bytes in both checkpoints: one line, every rank exits with code 2, neither trains. Twins, unchecked: both ranks
-    resume from the damaged ckpt.pt at iteration 4 without a word (their weights are not what was written)."""
+    """Two ranks, a flipped bit (or 100 flipped bytes) in ckpt.pt: both resume from ckpt_previous.pt (iteration 2),
+    said once; the same in both checkpoints: one line, every rank exits with code 2, neither trains. Twins,
+    unchecked: both ranks resume from the damaged ckpt.pt at iteration 4 without a word (their weights are not what
+    was written)."""
     from tests.training.test_checkpoint_digest import damage
     checkpoint = copy_of(written_run, tmp_path)
     previous = previous_path(checkpoint)

@@ -403,17 +403,11 @@ def ranks_of(marker):
     return processes_with(marker)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("switched_off", [False, True])
-@pytest.mark.long
-def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, tmp_path, switched_off):
-    """Slurm's warning signal to a step run by torchrun: torchrun does not forward SIGUSR1 and dies of it, while its
-    two ranks, each in a session of its own, never hear of it. Each rank notices its launcher is gone at the next
-    step boundary and stops as if signalled: a checkpoint, `stopped by SIGHUP`, the run lock released. Twin, with
-    that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
+def start_orphan_job(era5_dir, tmp_path, expdir, **switches):
+    """torchrun (in a session of its own) with 2 ranks of ORPHAN_SCRIPT training tiny for good: (its process, the
+    log file of its console)."""
     script = tmp_path / "rank.py"
-    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=switched_off, unsaid=False))
-    expdir = str(tmp_path / f"orphans_{switched_off}")
+    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, **switches))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
     log_path = tmp_path / "run.log"
@@ -423,13 +417,32 @@ def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, t
                                      "--data_dir", era5_dir, "--num_iters", "100000", "--checkpoint_interval", "0",
                                      "--num_data_workers", "0", "--expdir", expdir], cwd=REPO_ROOT, env=env,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return launcher, log_path
+
+
+def training_ranks(launcher, log_path, expdir):
+    """The pids of the job's 2 ranks, once they train."""
+    deadline = time.time() + 180
+    while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
+        assert launcher.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    ranks = [pid for pid in ranks_of(expdir) if pid != launcher.pid]
+    assert len(ranks) == 2, ranks
+    return ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("switched_off", [False, True])
+@pytest.mark.long
+def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, tmp_path, switched_off):
+    """Slurm's warning signal to a step run by torchrun: torchrun does not forward SIGUSR1 and dies of it, while its
+    two ranks, each in a session of its own, never hear of it. Each rank notices its launcher is gone at the next
+    step boundary and stops as if signalled: a checkpoint, `stopped by SIGHUP`, the run lock released. Twin, with
+    that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
+    expdir = str(tmp_path / f"orphans_{switched_off}")
+    launcher, log_path = start_orphan_job(era5_dir, tmp_path, expdir, switched_off=switched_off, unsaid=False)
     try:
-        deadline = time.time() + 180
-        while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
-            assert launcher.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        ranks = [pid for pid in ranks_of(expdir) if pid != launcher.pid]
-        assert len(ranks) == 2, ranks
+        ranks = training_ranks(launcher, log_path, expdir)
         launcher.send_signal(signal.SIGUSR1)
         assert launcher.wait(timeout=30) == -signal.SIGUSR1  # torchrun's fate: no handler for it
         deadline = time.time() + (15 if switched_off else 120)
@@ -460,25 +473,10 @@ def test_torchrun_killed_with_its_process_group_is_said_as_the_launchers_death(e
     the rendezvous store torchrun's agent held (a question to it prints a C++ stack of torch's) or blames another
     rank. Twin, the launcher's death not known to the job's lines: a rank that waits for rank 0's post in that store
     finds it gone and blames rank 0 ("stopped answering ... killed, out of memory"), with torch's C++ stack."""
-    script = tmp_path / "rank.py"
-    script.write_text(ORPHAN_SCRIPT.format(root=REPO_ROOT, switched_off=False, unsaid=not said))
     expdir = str(tmp_path / "orphans")
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("WORLD_SIZE", None)
-    log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                     "--master_port", str(free_port()), str(script), "--config", "tiny",
-                                     "--data_dir", era5_dir, "--num_iters", "100000", "--checkpoint_interval", "0",
-                                     "--num_data_workers", "0", "--expdir", expdir], cwd=REPO_ROOT, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launcher, log_path = start_orphan_job(era5_dir, tmp_path, expdir, switched_off=False, unsaid=not said)
     try:
-        deadline = time.time() + 180
-        while "Starting Training Loop" not in log_path.read_text() and time.time() < deadline:
-            assert launcher.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        ranks = [pid for pid in ranks_of(expdir) if pid != launcher.pid]
-        assert len(ranks) == 2, ranks
+        ranks = training_ranks(launcher, log_path, expdir)
         time.sleep(1.0)
         os.killpg(launcher.pid, signal.SIGKILL)
         assert launcher.wait(timeout=30) == -signal.SIGKILL
