@@ -42,8 +42,8 @@ lint: install
 test: lint
 	$(PY) -m pytest -q -n 2 -m "not long" --durations=15 tests
 
-# the long end-to-end runs: every signal, restart, timeout and 4-rank path (about 24 minutes on 2 cores, the sum of
-# their serial times); in one pytest process: with two (-n 2) they took 25.7 minutes, each run using both cores
+# the long end-to-end runs: every signal, restart, timeout and 4-rank path (13.2 minutes on 2 cores, 2026-11-29), in
+# one pytest process: with two (-n 2) they took longer, each run using both cores; CI runs them after `make test`
 test-long: lint
 	$(PY) -m pytest -q -m long --durations=15 tests
 
@@ -68,7 +68,7 @@ $(COMPAT_VENV)/.installed: requirements.txt
 test-compat: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and not long" tests
 
-# the long runs of that subset on torch 2.5 (about 9 minutes); with them `.ci/run` would run over its 25 minutes
+# the long runs of that subset on torch 2.5 (3.8 minutes on 2 cores, 2026-11-29); CI runs them last
 test-compat-long: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and long" tests
 
