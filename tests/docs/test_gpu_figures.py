@@ -28,9 +28,9 @@ LEVERS = {  # docs/benchmarks.md's row -> (step alone variant or None, with the 
 }
 PROFILE_ROWS = {  # README's profile table label -> the profile in step_profiles.json
     "ViT fp32, 0 workers": "vit_baseline",
-    "ViT fp32, 8 workers": "vit_nw8",
+    "[ViT fp32, 8 workers](tutorial_images/profile_vit_nw8.png)": "vit_nw8",
     "ViT bf16, 8 workers": "vit_nw8_bf16",
-    "ViT bf16 + fused + compile": "vit_nw8_bf16_fused_jit",
+    "[ViT bf16 + fused + compile](tutorial_images/profile_vit_nw8_bf16_fused_jit.png)": "vit_nw8_bf16_fused_jit",
     "UNet fp32, 2 workers": "unet_baseline",
 }
 DRY_RUN_ROWS = {"| tp=1 dp=4 |": "tp=1 dp=4 (", "| tp=4 dp=4 |": "tp=4 dp=4 (",
