@@ -67,8 +67,8 @@ def damage(path, how):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Small data; an uninterrupted run of 12 iterations (its last checkpoint); a run stopped at iteration 8 that
-    holds ckpt.pt (8) and ckpt_previous.pt (4). Trained in this process."""
+    """Small data; a run stopped at iteration 8 that holds ckpt.pt (8) and ckpt_previous.pt (4); an uninterrupted run
+    of 12 iterations: its last checkpoint and its expdir. Trained in this process."""
     root = tmp_path_factory.mktemp("flips")
     data = str(write_era5(root / "era5", height=16, width=32, steps_per_year=24, train_years=1, valid_years=1,
                           test_years=1, verbose=False))
@@ -78,7 +78,7 @@ def written(tmp_path_factory):
         train.main(tiny(data, root / "whole", *FLAGS))
         train.main(tiny(data, root / "split", *FLAGS, "--stop_at_iter", "8"))
     whole = torch.load(newest_of(root / "whole"), weights_only=False)
-    return data, root / "split", whole
+    return data, root / "split", whole, root / "whole"
 
 
 def unchecked(monkeypatch):
@@ -97,7 +97,7 @@ def test_a_flip_in_the_newest_checkpoint_resumes_from_the_previous_one(written, 
     """One bit, or 100 bytes, flipped in ckpt.pt's largest weight: the run says which file does not hold what was
     written, resumes from ckpt_previous.pt (iteration 4), keeps the damaged file aside and ends at the weights of
     the uninterrupted run. Twin, unchecked: it resumes from ckpt.pt at iteration 8 without a word, to other weights."""
-    data, split, whole = written
+    data, split, whole, _ = written
     shutil.copytree(split, tmp_path / "exp")
     newest = newest_of(tmp_path / "exp")
     damage(newest, how)
@@ -126,7 +126,7 @@ def test_a_flip_in_the_newest_checkpoint_resumes_from_the_previous_one(written, 
 def test_a_flip_in_both_checkpoints_stops_the_run_in_one_line(written, tmp_path, capsys, monkeypatch, how, checked):
     """Both checkpoints flipped: one line naming both, exit 2, nothing trained or written. Twin, unchecked: the run
     resumes from the damaged ckpt.pt without a word and trains on to other weights."""
-    data, split, whole = written
+    data, split, whole, _ = written
     shutil.copytree(split, tmp_path / "exp")
     newest = newest_of(tmp_path / "exp")
     for path in (newest, previous_path(newest)):
@@ -210,9 +210,9 @@ def test_a_restart_at_the_final_iteration_after_a_crash_between_the_renames_leav
     12), ckpt.pt.tmp (cut short here) not yet ckpt.pt. The restart trains no step and saves nothing: it removes the
     temporary file and ckpt_previous.pt is ckpt.pt again. Twin (the save left as it was, as before): the run ends
     with only ckpt_previous.pt and a stale ckpt.pt.tmp."""
-    data, _, whole = written
+    data, _, whole, whole_dir = written
     expdir = tmp_path / "exp"
-    shutil.copytree(os.path.join(os.path.dirname(data), "whole"), expdir)
+    shutil.copytree(whole_dir, expdir)
     newest = newest_of(expdir)
     content = open(newest, "rb").read()
     os.replace(newest, previous_path(newest))  # the first rename of the save of iteration 12 (the same state)
@@ -238,9 +238,9 @@ def test_a_whole_temporary_file_finishes_the_save_it_belonged_to(written, tmp_pa
     """Killed between the renames of the save of iteration 12: ckpt_previous.pt holds 8, ckpt.pt.tmp is whole (its
     digest checks). The restart makes it ckpt.pt and resumes at 12, the final iteration, without training again
     the 4 steps a resume from iteration 8 would."""
-    data, _, whole = written
+    data, _, whole, whole_dir = written
     expdir = tmp_path / "exp"
-    shutil.copytree(os.path.join(os.path.dirname(data), "whole"), expdir)
+    shutil.copytree(whole_dir, expdir)
     newest = newest_of(expdir)
     os.replace(newest, newest + ".tmp")  # ckpt_previous.pt (8) stays: the state between the two renames
     monkeypatch.chdir(REPO_ROOT)
@@ -259,7 +259,7 @@ def test_train_mp_checks_the_digest_of_the_checkpoint_it_gathers(written, tmp_pa
     sends it back to ckpt_previous.pt, to the uninterrupted run's weights (train_mp.py at tp=cp=1 is train.py).
     Twin, unchecked: it resumes from the damaged file without a word, to other weights."""
     import train_mp
-    data, _, whole = written
+    data, _, whole, _ = written
     monkeypatch.chdir(REPO_ROOT)
     train_mp.main(tiny(data, tmp_path, *FLAGS, "--stop_at_iter", "8"))
     newest = os.path.join(str(tmp_path), "tiny", "1MP", "00", "checkpoints", "ckpt.pt")
