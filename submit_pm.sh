@@ -2,7 +2,6 @@
 #SBATCH -C gpu
 #SBATCH -q shared
 #SBATCH -A dasrepo
-#SBATCH --ntasks-per-node 1
 #SBATCH --cpus-per-task 32
 #SBATCH --gpus-per-task 1
 #SBATCH --gpu-bind none
@@ -15,11 +14,14 @@
 #SBATCH --module=gpu,nccl-plugin
 #SBATCH -J vit-era5
 #SBATCH -o %x-%j.out
-# One or a few GPUs of one node, one rank per GPU, in the container (shifter). Submit from the repository root;
-# every argument after the script name reaches the Python script unchanged.
+# One to four GPUs of one node, one rank per GPU (-n, default 1), in the container (shifter). Submit from the
+# repository root; every argument after the script name reaches the Python script unchanged.
 #   sbatch submit_pm.sh --config=short                                    # 1 GPU
-#   sbatch --ntasks-per-node 4 submit_pm.sh --config=short                # 4 GPUs of one node
+#   sbatch -n 4 submit_pm.sh --config=short                               # 4 GPUs of one node
 #   sbatch -A ntrain4_g --reservation=dlscale_training_1 submit_pm.sh ... # sbatch options override the #SBATCH lines
+# No --ntasks-per-node (as the 2024 original): with `--ntasks-per-node 1`, Slurm would spread -n 4 over 4 nodes,
+# which the shared QOS refuses. More than one node (-N 2, -n 8) is refused by the shared QOS at submission; with
+# another QOS (-q regular) the job stops in one line naming the submit_pm_dp.sh command (4 ranks a node).
 # Environment (defaults in brackets):
 #   TRAINING_SCRIPT  train.py, train_graph.py, train_mp.py or train_mp_graphs.py [train.py]
 #   DATADIR          data, mounted at /data [/pscratch/sd/s/shas1693/data/dl-at-scale-training-data]
@@ -31,6 +33,23 @@
 #     BENCHY_OUTPUT=lowmem_2w sbatch submit_pm.sh --yaml_config config/UNet.yaml --config=short --enable_benchy
 # Time limit: SIGUSR1 reaches every rank about 3 minutes before it; the ranks checkpoint and exit 75, and the job
 # requeues itself and resumes there (docs/cluster.md, "Time limits, preemption and requeue").
+
+# several nodes: the whole-node script's job (the shared QOS runs one node; SC21's submit_pm.sh took -N 2, -n 8)
+if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+    same_args='' same_env=''
+    if [ $# -gt 0 ]; then
+        printf -v same_args ' %q' "$@"
+    fi
+    for name in TRAINING_SCRIPT ENABLE_PROFILING PROFILE_OUTPUT BENCHY_OUTPUT; do
+        if [ -n "${!name:-}" ]; then
+            same_env+="$name=$(printf '%q' "${!name}") "
+        fi
+    done
+    echo "error: submit_pm.sh runs on one node, and this job has $SLURM_JOB_NUM_NODES ($SLURM_NTASKS tasks); for" \
+         "$SLURM_JOB_NUM_NODES whole nodes, 4 ranks each, submit: ${same_env}sbatch -N $SLURM_JOB_NUM_NODES" \
+         "submit_pm_dp.sh$same_args" >&2
+    exit 2
+fi
 
 TRAINING_SCRIPT=${TRAINING_SCRIPT:-train.py}
 if [ ! -f submit_common.sh ]; then

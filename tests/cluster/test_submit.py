@@ -119,20 +119,24 @@ def stub_runs(tmp_path):
     return runs
 
 
-@pytest.mark.parametrize("script", SUBMIT_SCRIPTS)
+@pytest.mark.parametrize("script, options, per_node", [
+    ("submit_pm.sh", ["-n", "4"], 4),  # one node (the shared QOS takes no more)
+    ("submit_pm_dp.sh", ["-N", "2", "--ntasks-per-node", "2"], 2),
+    ("submit_pm_mp.sh", ["-N", "2", "--ntasks-per-node", "2"], 2),
+])
 @pytest.mark.multiprocess
-def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkout, tmp_path):
-    """2 nodes x 2 tasks: every rank gets the arguments word for word, its rank, its node-local rank, and the first
-    node as MASTER_ADDR; the default script of each submit script runs."""
+def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, options, per_node, checkout, tmp_path):
+    """4 ranks (the whole-node scripts: 2 nodes x 2 tasks): every rank gets the arguments word for word, its rank,
+    its node-local rank, and the first node as MASTER_ADDR; the default script of each submit script runs."""
     env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"))
-    result = sbatch(["-N", "2", "--ntasks-per-node", "2", script, *AWKWARD_ARGS], checkout, env)
+    result = sbatch([*options, script, *AWKWARD_ARGS], checkout, env)
     assert result.returncode == 0, result.stderr[-2000:]
     runs = stub_runs(tmp_path)
     assert sorted(runs) == [0, 1, 2, 3]
     for rank, run in runs.items():
         assert run["script"] == ("train_mp.py" if script == "submit_pm_mp.sh" else "train.py")
         assert run["argv"] == AWKWARD_ARGS
-        assert run["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4",
+        assert run["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": "4",
                               "MASTER_ADDR": "localhost", "MASTER_PORT": env["MASTER_PORT"],
                               "CUDA_VISIBLE_DEVICES": "", "HDF5_USE_FILE_LOCKING": "FALSE",
                               # the NCCL network plugin's setting, in every script (submit_pm_mp.sh lacked it)
@@ -142,6 +146,74 @@ def test_arguments_and_rank_variables_reach_every_rank_unchanged(script, checkou
         assert record(tmp_path, "shifter", rank) == [f"-V={env['DATADIR']}:/data", f"-V={env['LOGDIR']}:/logs",
                                                      f"--env=PYTHONUSERBASE={env['LOGDIR']}"]
         assert record(tmp_path, "nsys", rank) is None  # no profiling unless asked
+
+
+# SC21's lessons with submit_pm.sh (FACTS H1): -n 1, -n 4 (4 ranks, one node), and -n 8 / -N 2 / -N 8 (several nodes)
+@pytest.mark.parametrize("options, ranks", [([], 1), (["-n", "1"], 1), (["-n4"], 4), (["-n", "3"], 3)])
+@pytest.mark.multiprocess
+def test_submit_pm_runs_one_to_four_ranks_on_one_node_in_the_shared_qos(options, ranks, checkout, tmp_path):
+    """Plain `sbatch submit_pm.sh` is one rank; `-n 4` (SC21's four-GPU lessons, verbatim) is four ranks on one
+    node, which the shared QOS (#SBATCH -q shared) runs."""
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"))
+    result = sbatch([*options, "submit_pm.sh", "--config=bs64_opt"], checkout, env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = stub_runs(tmp_path)
+    assert sorted(runs) == list(range(ranks)) and {run["env"]["WORLD_SIZE"] for run in runs.values()} == {str(ranks)}
+    assert {run["env"]["LOCAL_RANK"] for run in runs.values()} == {str(rank) for rank in range(ranks)}  # one node
+
+
+def with_ntasks_per_node_1(checkout):
+    """The twin: submit_pm.sh as it was, with `#SBATCH --ntasks-per-node 1` (a per-node maximum once -n is given)."""
+    path = checkout / "submit_pm.sh"
+    text = path.read_text()
+    path.write_text(text.replace("#SBATCH --gpus-per-task 1\n",
+                                 "#SBATCH --ntasks-per-node 1\n#SBATCH --gpus-per-task 1\n"))
+    assert path.read_text() != text
+
+
+QOS_REFUSAL = ("sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, "
+               "user's size and/or time limits)")
+
+
+@pytest.mark.parametrize("options, twin", [(["-n", "4"], True), (["-N", "2"], False), (["-n", "8"], False),
+                                           (["--ntasks-per-node", "4", "-N", "4"], False)])
+@pytest.mark.multiprocess
+def test_the_shared_qos_refuses_a_job_of_several_nodes_in_one_line(options, twin, checkout, tmp_path):
+    """The sbatch stand-in lays the job out by Slurm's rules: with `--ntasks-per-node 1` in the script (the twin),
+    SC21's `-n 4` asks for 4 nodes, and the shared QOS refuses it, as it refuses -N 2 and -n 8 of this script:
+    Slurm's one line, nothing runs."""
+    if twin:
+        with_ntasks_per_node_1(checkout)
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"))
+    result = sbatch([*options, "submit_pm.sh", "--config=bs64_opt"], checkout, env)
+    assert result.returncode == 1 and result.stderr.splitlines() == [QOS_REFUSAL], result.stderr[-2000:]
+    assert result.stdout == "" and stub_runs(tmp_path) == {}
+
+
+@pytest.mark.parametrize("options, nodes, tasks", [(["-n", "8"], 2, 8), (["-N", "2"], 2, 2), (["-N", "8"], 8, 8)])
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "twin_unchecked"])
+@pytest.mark.multiprocess
+def test_submit_pm_on_several_nodes_stops_in_one_line_naming_the_data_parallel_command(options, nodes, tasks,
+                                                                                        checked, checkout, tmp_path):
+    """With another QOS (-q regular) SC21's multi-node lines land on several nodes: submit_pm.sh stops in one line
+    that gives the submit_pm_dp.sh command (the same nodes, 4 ranks each; the profiling variables and arguments
+    kept), exit 2, nothing started. The twin without the check runs 1 rank a node (-N 8: 8 ranks, not SC21's 32)."""
+    if not checked:
+        path = checkout / "submit_pm.sh"
+        text = path.read_text()
+        path.write_text(text.replace('if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then', "if false; then"))
+        assert path.read_text() != text
+    env = job_env(tmp_path, STUB_OUT=str(tmp_path / "stub_out"), ENABLE_PROFILING="1", PROFILE_OUTPUT="8gpu baseline")
+    args = ["--config=bs64_opt", "--yaml_config", "config/UNet.yaml", "--local_batch_size", "16"]
+    result = sbatch(["-q", "regular", *options, "submit_pm.sh", *args], checkout, env)
+    if checked:
+        assert result.returncode == 2 and result.stderr.splitlines() == [
+            f"error: submit_pm.sh runs on one node, and this job has {nodes} ({tasks} tasks); for {nodes} whole "
+            f"nodes, 4 ranks each, submit: ENABLE_PROFILING=1 PROFILE_OUTPUT=8gpu\\ baseline sbatch -N {nodes} "
+            f"submit_pm_dp.sh {' '.join(args)}"], result.stderr[-2000:]
+        assert stub_runs(tmp_path) == {}
+    else:
+        assert result.returncode == 0 and len(stub_runs(tmp_path)) == tasks, result.stderr[-2000:]
 
 
 @pytest.mark.multiprocess
