@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -38,9 +38,11 @@ demo-resnet: install $(CIFAR_DIR)/cifar-100-python/meta
 lint: install
 	$(PY) -m ruff check .
 
-# two pytest processes (pytest-xdist); the long end-to-end runs (marked `long`) are `make test-long`'s
+# two pytest processes (pytest-xdist); `loadgroup`: the tests sharing a module's reference run or spawned ranks run
+# in one of them, which computes it once (tests/conftest.py groups them); the long end-to-end runs (marked `long`)
+# are `make test-long`'s
 test: lint
-	$(PY) -m pytest -q -n 2 -m "not long" --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not long" --durations=15 tests
 
 # the long end-to-end runs: every signal, restart, timeout and 4-rank path (13.2 minutes on 2 cores, 2026-11-29), in
 # one pytest process: with two (-n 2) they took longer, each run using both cores; CI runs them after `make test`
@@ -142,6 +144,13 @@ bench-graph: install
 # out.log and TensorBoard events, no checkpoints (several minutes on 2 cores)
 example-logs: install $(DATA_DIR)/stats/global_stds.npy $(COSMO_DIR)/downsamp_1024crop_valid.h5 $(CIFAR_DIR)/cifar-100-python/meta
 	$(PY) -m benchmarks.example_logs --out example_logs --era5_dir $(DATA_DIR) --cosmo_dir $(COSMO_DIR) --cifar_dir $(CIFAR_DIR)
+
+# the multi-GPU day's session (benchmarks/gpu_multi.py) on 4 CPU ranks over gloo, for README's multi-GPU steps until
+# GPUs have run it: example_logs/multi_gpu_cpu/ (multi_gpu.json, the logs, rank 0's DDP traces) and the DDP profiles'
+# figures in tutorial_images/ (about 10 minutes on 2 cores; data and run directories in data/multi_work)
+example-logs-multi: install
+	CUDA_VISIBLE_DEVICES= MULTI_WORK=data/multi_work PYTHON=$(PY) bash benchmarks/gpu_session.sh \
+		example_logs/multi_gpu_cpu --multi --allow-cpu --figures tutorial_images
 
 # tutorial_images/*.png from example_logs/ and bench_results/ (no new measurements)
 figures: install

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.example_logs import machine
+from benchmarks.common import machine
 from lifecycle.checkpoint import load_checkpoint, save_checkpoint, state_digest
 from networks import get_model
 from utils.atomic import write_json

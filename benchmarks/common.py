@@ -3,8 +3,10 @@ training scripts (gpu_check.py, bench_graph.py) sample data at the stages' sizes
 `--enable_benchy` run of a stage. No benchmark module imports another's helpers: shared ones live here (the dry run
 in its own process, which the planner uses too, is planning/dry_run.py's)."""
 import json
+import multiprocessing
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +28,19 @@ DATA_SIZES = {  # generator arguments: real image sizes, few samples (the benchm
 def cpu_cores():
     """This machine's processor and core count, e.g. 'x86_64, 2 cores'."""
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def machine():
+    """This machine in words, e.g. 'AMD EPYC, 2 CPU cores, no GPU' (the runs themselves use the CPU)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{model or 'CPU'}, {os.cpu_count()} CPU cores, {gpu}"
 
 
 def device_name():
@@ -81,3 +96,41 @@ def run_stage(name, yaml, config, data_dir, flags, work, bench, script="train.py
     with open(out + ".json") as f:
         bench_results = json.load(f)
     return {"ok": True, "seconds": time.time() - start, "command": " ".join(command[1:]), **bench_results}
+
+
+def one_year(args):
+    """One process's share of the ERA5 data: a whole small data set, of which the caller keeps one year file."""
+    from sample_data import write_era5
+    out, sizes, first_year = args
+    write_era5(out, train_years=1, valid_years=1, test_years=1, first_year=first_year, verbose=False, **sizes)
+    return out
+
+
+def era5_parts(root, sizes, years=4):
+    """Start writing an ERA5 set of `years` training years: one process a year, each a whole small data set of which
+    one year is kept (the generator writes one year at a time). Returns (pool, pending result, the parts)."""
+    parts = [(os.path.join(root, f"era5_part{k}"), sizes, 2000 + 3 * k) for k in range(years)]
+    for part, _, _ in parts:
+        shutil.rmtree(part, ignore_errors=True)
+    pool = multiprocessing.get_context("spawn").Pool(years)
+    return pool, pool.map_async(one_year, parts), parts
+
+
+def era5_assemble(root, parts):
+    """The ERA5 set from the parts: every part's training year, the first part's validation and test years and
+    statistics (computed over its training year)."""
+    target = os.path.join(root, "era5")
+    staging = target + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    for split in ("train", "valid", "test"):
+        os.makedirs(os.path.join(staging, split))
+    for k, (part, _, first_year) in enumerate(parts):
+        os.replace(os.path.join(part, "train", f"{first_year}.h5"), os.path.join(staging, "train", f"{first_year}.h5"))
+        if k == 0:
+            for split, year in (("valid", first_year + 1), ("test", first_year + 2)):
+                os.replace(os.path.join(part, split, f"{year}.h5"), os.path.join(staging, split, f"{year}.h5"))
+            os.replace(os.path.join(part, "stats"), os.path.join(staging, "stats"))
+        shutil.rmtree(part)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target

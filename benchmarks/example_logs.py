@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import REPO_ROOT, free_port
+from benchmarks.common import REPO_ROOT, free_port, machine
 from utils.atomic import write_bytes, write_json
 from utils.errors import ArgumentParser, UserError, error_line, exit_on_user_error
 
@@ -52,19 +52,6 @@ DATA = {
 }
 LAST_VAL_LOSS = re.compile(r"Avg val loss=(\S+)")
 LAST_ACC = re.compile(r"valid acc1=(\S+), valid acc5=(\S+)")
-
-
-def machine():
-    """This machine in words, e.g. 'AMD EPYC, 2 CPU cores, no GPU' (the runs themselves use the CPU)."""
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{model or 'CPU'}, {os.cpu_count()} CPU cores, {gpu}"
 
 
 def torch_version():
@@ -243,6 +230,15 @@ def readme(runs, gpu_runs=()):
         "the machine may also have been busy with other work, so treat the times as rough.",
         "",
         *gpu_section(list(gpu_runs)),
+        "## The multi-GPU session on CPU ranks",
+        "",
+        "`multi_gpu_cpu/` is `make example-logs-multi`: the multi-GPU session (`bash benchmarks/gpu_session.sh DIR",
+        "--multi`, benchmarks/gpu_multi.py) on 4 CPU ranks over gloo, which README's multi-GPU steps quote until GPUs",
+        "have run it. `multi_gpu.json` holds its six parts (exactness, data_parallel, dp_profile, model_parallel,",
+        "collectives, failure) with the machine, torch version and date; `logs/` each command's console (its first",
+        "line the command); `profiles/` rank 0's DDP traces at `--bucket_cap_mb 25` and `5`, drawn into",
+        "`tutorial_images/profile_dp_bcap*_cpu.png`. Its data and run directories stay in `data/multi_work/`.",
+        "",
         "To look at them in TensorBoard, copy a stage into your log directory and start TensorBoard there",
         "(`start_tensorboard.ipynb`, or `tensorboard --logdir`):",
         "",

@@ -15,15 +15,13 @@ Everything lands under DIR: `data/` (the sample data: ERA5 at 360 x 720, four tr
 directories), `profiles/` (the traces), `lessons.json` (what ran, how long, how it ended) and, with `--pack`, one
 archive of the logs, events and traces (checkpoints and data left out).
 """
-import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import time
 
-from benchmarks.common import REPO_ROOT, device_name
+from benchmarks.common import REPO_ROOT, device_name, era5_assemble, era5_parts
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
 
@@ -37,44 +35,6 @@ LAST_EPOCH = ["--profile_epoch", "3", "--profile_iters", "6"]
 
 def log(message):
     print(f"[lessons {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def one_year(args):
-    """One process's share of the ERA5 data: a whole small data set, of which the caller keeps one year file."""
-    from sample_data import write_era5
-    out, sizes, first_year = args
-    write_era5(out, train_years=1, valid_years=1, test_years=1, first_year=first_year, verbose=False, **sizes)
-    return out
-
-
-def era5_parts(root, sizes):
-    """Start writing the ERA5 set: TRAIN_YEARS processes, each a whole small data set of which one year is kept (the
-    generator writes one year at a time). Returns (pool, pending result, the parts)."""
-    parts = [(os.path.join(root, f"era5_part{k}"), sizes, 2000 + 3 * k) for k in range(TRAIN_YEARS)]
-    for part, _, _ in parts:
-        shutil.rmtree(part, ignore_errors=True)
-    pool = multiprocessing.get_context("spawn").Pool(TRAIN_YEARS)
-    return pool, pool.map_async(one_year, parts), parts
-
-
-def era5_assemble(root, parts):
-    """The ERA5 set from the parts: every part's training year, the first part's validation and test years and
-    statistics (computed over its training year)."""
-    target = os.path.join(root, "era5")
-    staging = target + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    for split in ("train", "valid", "test"):
-        os.makedirs(os.path.join(staging, split))
-    for k, (part, _, first_year) in enumerate(parts):
-        os.replace(os.path.join(part, "train", f"{first_year}.h5"), os.path.join(staging, "train", f"{first_year}.h5"))
-        if k == 0:
-            for split, year in (("valid", first_year + 1), ("test", first_year + 2)):
-                os.replace(os.path.join(part, split, f"{year}.h5"), os.path.join(staging, split, f"{year}.h5"))
-            os.replace(os.path.join(part, "stats"), os.path.join(staging, "stats"))
-        shutil.rmtree(part)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
-    return target
 
 
 def cosmo_data(root, tiny):
@@ -171,7 +131,7 @@ def main(argv=None):
     # the UNet runs while the ERA5 years are written (about 1.5 minutes on one core each, 4 cores)
     log(f"{lessons.report['device']}, torch {lessons.report.get('torch')}: writing the sample data")
     began = time.monotonic()
-    pool, pending, parts = era5_parts(data_root, sizes)
+    pool, pending, parts = era5_parts(data_root, sizes, TRAIN_YEARS)
     cosmo = cosmo_data(data_root, args.tiny)
     B = args.budget
     lessons.run("unet_baseline", "train.py", [*unet, *last_epoch, "--run_num", "baseline",

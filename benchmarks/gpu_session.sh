@@ -8,7 +8,10 @@
 #      channels_last_3d (on the H100 twice cut by a deadline after 41 s and 55 s: last, so it delays no other row);
 #   3. the ViT `short` bf16 rows, eager and compiled, with the attention's input cast once (the table's targets);
 #   4. the ViT levers: the cast once against the cast by each of q, k and v (benchmarks/bench_levers.py);
-#   5. the cosmology loader's rates on the node's CPU (benchmarks/bench_loader.py).
+#   5. the cosmology loader's rates on the node's CPU (benchmarks/bench_loader.py);
+# and, after the first part, NCCL's paths that one rank can run (benchmarks/nccl_one_rank.py: a process group of one
+# made with `device_id` and the collective timeout, DDP, DTensor and FSDP2 on it, a clean destroy; not with
+# --allow-cpu, NCCL needing a GPU).
 # The table merges into the committed report (each row says which machine and date measured it); --fresh (right
 # after DIR, which must hold no report yet) starts a report of its own instead, for another card. On 2026-11-28 one
 # H100 ran the session as it was then (bench_results/gpu/gpu_session.log: 551 s, cut by deadlines in three parts),
@@ -22,6 +25,10 @@
 # With --lessons (first after DIR) it runs instead the tutorial's lessons as an attendee runs them, in about 8
 # minutes: example runs with their logs, TensorBoard events and a profile of each step (benchmarks/gpu_lessons.py),
 # packed into DIR/lessons.tar.gz; the sample data and checkpoints stay in $LESSONS_WORK (default /tmp/lessons).
+# With --multi (first after DIR) it runs the multi-GPU day on every GPU of the node (2, 4 or 8; on one GPU NCCL's
+# one-rank paths only), six parts each with a deadline, 9 minutes in all, into DIR/multi_gpu.json with the logs,
+# traces and figures beside it (benchmarks/gpu_multi.py); data and run directories in $MULTI_WORK (default
+# /tmp/multi). `--multi --tiny --allow-cpu` rehearses it on CPU ranks over gloo (tests/perf/test_gpu_multi.py).
 set -u
 dir=${1:-bench_results/gpu}
 shift $(($# > 0 ? 1 : 0))
@@ -31,6 +38,13 @@ if [[ ${1:-} == --lessons ]]; then
     work=${LESSONS_WORK:-/tmp/lessons}
     "${PYTHON:-python3}" -m benchmarks.gpu_lessons --out "$work" --pack "$dir/lessons.tar.gz" "$@" 2>&1 \
         | tee "$dir/lessons.log"
+    exit "${PIPESTATUS[0]}"
+fi
+if [[ ${1:-} == --multi ]]; then
+    shift
+    mkdir -p "$dir"
+    "${PYTHON:-python3}" -m benchmarks.gpu_multi --out "$dir" --work "${MULTI_WORK:-/tmp/multi}" "$@" 2>&1 \
+        | tee "$dir/multi.log"
     exit "${PIPESTATUS[0]}"
 fi
 fresh=
@@ -85,6 +99,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     era5=$!
     part "loader tests on the GPU" 50 "$py" -m pytest -q -m gpu tests/datasets tests/gpu/test_gpu.py -k "cosmo or ring" \
         -p no:cacheprovider
+    if [[ " ${check[*]-} " != *" --allow-cpu "* ]]; then  # NCCL's one-rank paths (benchmarks/nccl_one_rank.py)
+        part "NCCL on one rank" 75 "$py" -m benchmarks.nccl_one_rank --out "$dir/nccl_one_rank.json"
+    fi
     part "UNet rows" 330 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows "$UNET_ROWS" \
         --out "$dir/single_gpu_table.json"
     wait "$era5" || status=1

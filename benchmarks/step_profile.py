@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from utils.atomic import write_json
 from utils.errors import ArgumentParser, UserError, exit_on_user_error
 
-PARTS = ("attention", "gemm", "norm_elementwise", "optimizer", "copies", "data_loading")
+PARTS = ("attention", "gemm", "norm_elementwise", "optimizer", "copies", "data_loading", "communication")
 STEP = re.compile(r"^(?:step (\d+)|ProfilerStep#(\d+))$")
 ATTENTION = re.compile(r"attention|sdpa|fmha|flash_|flash::|_attn", re.I)
 GEMM = re.compile(r"gemm|matmul|aten::mm\b|aten::addmm|aten::bmm|aten::baddbmm|aten::linear|conv|cutlass|xmma|nvjet"
@@ -42,6 +42,9 @@ GEMM = re.compile(r"gemm|matmul|aten::mm\b|aten::addmm|aten::bmm|aten::baddbmm|a
 OPTIMIZER = re.compile(r"^Optimizer\.|^optimizer$|Adam|SGD|_fused_adam|multi_tensor_apply", re.I)
 LOADER = re.compile(r"DataLoader|data loader", re.I)
 COPY_RANGE = re.compile(r"^data copy in")
+# the collectives between ranks: NCCL's kernels on a GPU, the c10d operators that hand work to NCCL or gloo
+COMMUNICATION = re.compile(r"nccl|gloo|^c10d::|^record_param_comms$|allreduce|all_reduce|allgather|all_gather"
+                           r"|reduce_scatter|reducescatter", re.I)
 
 
 @dataclass
@@ -193,6 +196,8 @@ def open_at(roots, t):
 def classify(name, context, kind):
     """The part of the step a span belongs to (see the module's docstring), from its own name and the names of the
     host ranges and operators around it (outermost first)."""
+    if COMMUNICATION.search(name):
+        return "communication"
     if any(OPTIMIZER.search(n) for n in context if n.startswith("Optimizer.") or n == "optimizer"):
         return "optimizer"
     if kind in ("memcpy", "memset"):
@@ -283,17 +288,23 @@ def reduce_trace(trace, skip=0):
     per_step = {k: round(v / n / 1e3, 3) for k, v in parts.items()}
     per_step["idle"] = round((window - busy_union) / n / 1e3, 3)
     per_step["overlap"] = round((sum(parts.values()) - busy_union) / n / 1e3, 3)
+    hidden = None
+    if on_gpu:  # the collectives' kernel time during which other kernels ran
+        talking = [(s.start, s.end) for s, part in kept if part == "communication"]
+        working = [(s.start, s.end) for s, part in kept if part != "communication"]
+        hidden = round((union_length(talking, lo, hi) + union_length(working, lo, hi) - busy_union) / n / 1e3, 3)
     loader_wait = sum(s.end - s.start for s in host if s.kind == "range" and LOADER.search(s.name)
                       and s.start >= lo and s.end <= hi)
     return {"trace": os.path.basename(trace.source), "device": trace.device, "steps": n,
             "step_ms": round(window / n / 1e3, 3), "busy_ms": round(busy_union / n / 1e3, 3),
-            "skipped_steps": skip, "ms_per_step": per_step, "host_loader_ms_per_step": round(loader_wait / n / 1e3, 3)}
+            "skipped_steps": skip, "ms_per_step": per_step, "host_loader_ms_per_step": round(loader_wait / n / 1e3, 3),
+            "communication_hidden_ms": hidden}
 
 
 # ---- drawing ---------------------------------------------------------------------------------------------------
 
 COLORS = {"attention": "#d62728", "gemm": "#1f77b4", "norm_elementwise": "#2ca02c", "optimizer": "#9467bd",
-          "copies": "#bcbd22", "data_loading": "#8c564b"}
+          "copies": "#bcbd22", "data_loading": "#8c564b", "communication": "#17becf"}
 RANGES = (  # the loop's ranges drawn: (test of the name, label, colour, row: 0 the step, 1 its parts)
     (lambda n: bool(STEP.match(n)), None, "#d9d9d9", 0),
     (lambda n: bool(LOADER.search(n)), "next batch", "#c49c94", 0),
@@ -360,7 +371,7 @@ def draw(trace, out, title, max_steps=3):
     ax.set_xlim(0, (hi - lo) / 1e3)
     ax.set_xlabel("milliseconds")
     ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=6,
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7, ncol=7,
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.2), frameon=False)
     fig.tight_layout()
     fig.savefig(out)

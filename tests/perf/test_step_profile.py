@@ -96,7 +96,8 @@ def test_cpu_operators_own_time_and_two_threads_overlapping(tmp_path):
               x_event("cpu_op", "aten::_foreach_add_", 160, 190)]
     table = reduce_trace(read_trace(write_chrome(tmp_path / "cpu.json", events)))
     assert table["ms_per_step"] == {"attention": 0.0, "gemm": 0.025, "norm_elementwise": 0.02, "optimizer": 0.015,
-                                    "copies": 0.0, "data_loading": 0.015, "idle": 0.04, "overlap": 0.015}
+                                    "copies": 0.0, "data_loading": 0.015, "communication": 0.0, "idle": 0.04,
+                                    "overlap": 0.015}
     assert (table["steps"], table["step_ms"], table["busy_ms"], table["host_loader_ms_per_step"]) == \
         (2, 0.1, 0.06, 0.015)
 
@@ -133,7 +134,7 @@ LOADER_AT = [(500, 600), (1000, 1040)]  # the next batch's fetch, after each ste
 # by hand: window [100, 1060] = 960 us; busy [120, 560] + [620, 1060] = 880 us, idle 20 + 60 us; gemm 2 x (100 +
 # 200), attention 2 x 60, gelu and Adam 2 x 20 each, copies 40 + 50; the parts sum to 890 us: 10 us overlap
 EXPECTED = {"attention": 0.06, "gemm": 0.3, "norm_elementwise": 0.02, "optimizer": 0.02, "copies": 0.045,
-            "data_loading": 0.0, "idle": 0.04, "overlap": 0.005}
+            "data_loading": 0.0, "communication": 0.0, "idle": 0.04, "overlap": 0.005}
 EXPECTED_STEP = {"steps": 2, "step_ms": 0.48, "busy_ms": 0.44}
 
 
@@ -225,6 +226,19 @@ def test_gpu_chrome_trace_table_by_hand(tmp_path):
     figure = tmp_path / "gpu.png"
     draw(trace, str(figure), "hand-built")
     assert png_size(figure) > 10_000
+
+
+def test_nccl_kernels_are_communication_and_their_time_under_other_kernels_is_hidden(tmp_path):
+    """A data-parallel step's all-reduce: the copy stream's transfers renamed as NCCL kernels are the
+    `communication` part (their 45 us a step leave `copies`), and the 10 us of step 1's one that ran under its first
+    GEMM are `communication_hidden_ms` (5 us a step); the single-GPU table has none of either."""
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
+    names = {"Memcpy HtoD (Pinned -> Device)": nccl}
+    table = reduce_trace(read_trace(write_chrome(tmp_path / "gpu.json", gpu_chrome_events(names), "Fake H100")))
+    assert table["ms_per_step"] == {**EXPECTED, "copies": 0.0, "communication": EXPECTED["copies"]}
+    assert table["communication_hidden_ms"] == 0.005
+    plain = reduce_trace(read_trace(write_chrome(tmp_path / "plain.json", gpu_chrome_events(), "Fake H100")))
+    assert plain["ms_per_step"]["communication"] == 0.0 and plain["communication_hidden_ms"] == 0.0
 
 
 def test_without_runtime_correlations_the_optimizer_kernel_moves_to_norm_elementwise(tmp_path):
