@@ -123,6 +123,10 @@ class Session:
         self.deadline = budget
         for folder in (out, work, figures, os.path.join(out, "logs"), os.path.join(out, "profiles")):
             os.makedirs(folder, exist_ok=True)
+        for name in os.listdir(work):  # an earlier session's runs would resume, not train: only the data stays
+            if name != "data":
+                path = os.path.join(work, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
     def elapsed(self):
         return time.monotonic() - self.start

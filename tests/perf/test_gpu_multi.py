@@ -185,3 +185,16 @@ def test_the_one_rank_checks_run_over_gloo_and_a_wrong_step_fails_them(tmp_path,
     else:
         assert done.returncode == 0 and all(c["ok"] for c in report["checks"].values()), report
         assert report["backend"] == "gloo" and report["checks"]["init"]["collective_timeout_s"] == 60
+
+
+def test_a_new_session_clears_the_last_ones_runs_and_keeps_its_data(tmp_path):
+    """Runs left in the work folder would resume their finished checkpoints instead of training (an empty loss curve,
+    no trace): a session starts without them, keeping the generated data. Twin: a folder not under `work` stays."""
+    work = tmp_path / "work"
+    for folder in ("data/era5_tiny", "dp/demo/4GPU/lr_1/checkpoints", "exact"):
+        (work / folder).mkdir(parents=True)
+    (work / "lr_scaling.yaml").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()
+    gpu_multi.Session(str(tmp_path / "out"), str(work), str(tmp_path / "figures"), 2, 0, "tiny", 60)
+    assert sorted(p.name for p in work.iterdir()) == ["data"] and (work / "data" / "era5_tiny").is_dir()
+    assert (tmp_path / "elsewhere").is_dir()
