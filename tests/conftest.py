@@ -4,11 +4,13 @@ Tests not marked `gpu` run on the CPU also on a GPU node (`make test` there chec
 hidden from them and from the commands they start. TESTS_KEEP_CUDA=1 leaves CUDA visible (the twin in
 tests/gpu/test_gpu_presence.py shows what then fails). Tests not marked `multiprocess` may not start processes.
 """
+import concurrent.futures
 import multiprocessing.process
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -38,6 +40,31 @@ def pytest_sessionstart(session):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests of a module that use a module-scoped fixture of that module (a reference run, ranks spawned once
+    for several tests) share one xdist group: under `make test`'s `--dist loadgroup` they run in one pytest process,
+    which computes the fixture once (with `load` each process computed it for the tests it was sent).
+
+    pytest-xdist marks a group by a suffix on the test's id in each worker (`test@group`), which pytest 9 no longer
+    lets it set (xdist 3.8 writes `_nodeid`, pytest 9 reads `_id`): the suffix is set here, after xdist's hook."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        module = item.nodeid.split("::")[0]
+        if info is not None and any(
+                defs[-1].scope == "module" and defs[-1].baseid == module
+                for defs in (info.name2fixturedefs.get(name) for name in info.names_closure) if defs):
+            item.add_marker(pytest.mark.xdist_group(module.rsplit("/", 1)[-1].removesuffix(".py")))
+        groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+        if getattr(config.option, "loadgroup", False) and groups and "@" not in item.nodeid:
+            nodeid = f"{item.nodeid}@{'_'.join(groups)}"
+            if hasattr(item, "_id"):  # pytest >= 9
+                from _pytest.nodeid import NodeId
+                item._id = NodeId.parse(nodeid)
+            else:
+                item._nodeid = nodeid
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -111,6 +138,43 @@ def run_command(args, nproc=1, timeout=600, gpu=False):
                      "--master_port", str(free_port())]
     return subprocess.run(launcher + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_ranks(args, nproc, timeout=600):
+    """`args` (as for run_command) on `nproc` plain gloo processes, each told its rank: where the launcher is not
+    under test, torchrun would only add a process that imports torch. Returns what run_command returns: a
+    CompletedProcess whose returncode is the first non-zero rank's (0 if none) and whose stdout and stderr are the
+    ranks' in rank order (each to a file while it runs: a full pipe would stall a rank)."""
+    port = free_port()
+    processes = []
+    try:
+        for rank in range(nproc):
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            env = plain_rank_env(rank, nproc, port)
+            processes.append((subprocess.Popen([sys.executable] + args, cwd=REPO_ROOT, env=env, stdout=out, stderr=err),
+                              out, err))
+        deadline = time.time() + timeout
+        codes = [process.wait(timeout=max(deadline - time.time(), 0.1)) for process, _, _ in processes]
+    finally:
+        outs, errs = [], []
+        for process, out, err in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            for f, texts in ((out, outs), (err, errs)):
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+    return subprocess.CompletedProcess([sys.executable] + args, next((c for c in codes if c != 0), 0), "".join(outs),
+                                       "".join(errs))
+
+
+def beside(*calls):
+    """Run the callables at once, each in a thread, and return their results in order (the first exception raised
+    is raised here): for a test and its twin that mostly wait (a stall, a timeout), whose runs then overlap."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
 
 
 def plain_rank_env(rank, ranks, port, **extra):

@@ -133,8 +133,7 @@ def tp2_results():
     return dict(found)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.long
+@pytest.mark.multiprocess  # not long: it reads the ranks the other test of tp2_results spawns (one xdist group)
 def test_an_overflow_in_one_tp_shard_skips_the_step_on_every_rank(tp2_results):
     group = [tp2_results[rank]["group"] for rank in (0, 1)]
     assert group[0] == group[1] == {"stepped": False, "scale": 2.0**7}

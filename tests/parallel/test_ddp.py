@@ -5,14 +5,15 @@ import os
 import pytest
 import torch
 
-from tests.conftest import run_command
+from tests.conftest import run_command, run_ranks
 
 TOLERANCE = 1e-5  # fp32 weights after 10 Adam steps: only the order of the gradient sums differs
 
 
 def trained_weights(era5_dir, expdir, nproc, *flags):
-    result = run_command(["train.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
-                          "--num_iters", "10", *flags], nproc=nproc)
+    argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir), "--num_iters", "10",
+            *flags]
+    result = run_ranks(argv, nproc) if nproc > 1 else run_command(argv)  # plain ranks: torchrun is not under test
     assert result.returncode == 0, result.stderr[-3000:]
     path = os.path.join(str(expdir), "tiny", f"{nproc}GPU", "00", "checkpoints", "ckpt.pt")
     return torch.load(path, weights_only=False)["model"], result.stderr

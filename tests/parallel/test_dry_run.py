@@ -19,7 +19,7 @@ import pytest
 
 import train_mp
 from planning import dry_run
-from tests.conftest import run_command
+from tests.conftest import run_command, run_ranks
 from tests.parallel.test_fsdp import FSDP_ON_CPU
 from utils.errors import UserError
 
@@ -37,8 +37,8 @@ LAYOUTS = {  # name: (ranks, flags)
 
 def measured_by_real_ranks(tmp_path, ranks, flags):
     """Every rank's memory record of a real gloo run of train_mp.py --enable_benchy (one batch per trial)."""
-    out = run_command(["train_mp.py", *COMMON, *flags, "--enable_benchy", "--benchy_nbatches", "1",
-                       "--benchy_ntrials", "1", "--benchy_nwarmup", "0", "--expdir", str(tmp_path)], nproc=ranks)
+    out = run_ranks(["train_mp.py", *COMMON, *flags, "--enable_benchy", "--benchy_nbatches", "1",
+                     "--benchy_ntrials", "1", "--benchy_nwarmup", "0", "--expdir", str(tmp_path)], ranks)
     assert out.returncode == 0, out.stderr[-3000:]
     folder = os.path.join(str(tmp_path), "tiny")
     (layout_dir,) = os.listdir(folder)

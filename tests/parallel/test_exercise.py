@@ -27,8 +27,7 @@ def errors_on_two_ranks():
     return check_modules([SOLUTION, EXERCISE], 2)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.long
+@pytest.mark.multiprocess  # not long: it reads the ranks the exercise's twin below spawns (one xdist group)
 def test_solution_matches_the_serial_mlp_on_two_ranks(errors_on_two_ranks):
     errors = errors_on_two_ranks[SOLUTION]
     assert set(errors) == KEYS

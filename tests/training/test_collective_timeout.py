@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, free_port, plain_rank_env, run_plain_ranks
+from tests.conftest import REPO_ROOT, beside, free_port, plain_rank_env, run_plain_ranks
 
 # what each rank runs: train.py, with `slow` rank's 13th training read (mid-epoch) or its first checkpoint write
 # taking 8 s; `collective_wait` puts back the old wait for rank 0 (a collective broadcast: the twin)
@@ -72,6 +72,7 @@ def era5(tmp_path_factory):
 def job(era5, tmp_path, slow, timeout_s, collective_wait=False):
     """2 plain processes of train.py (tiny, local batch 1, 8 steps, a checkpoint at step 4, no loader workers):
     (exit codes, outputs)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(root=REPO_ROOT, slow=slow, collective_wait=collective_wait))
     codes, outputs, _ = run_plain_ranks(
@@ -85,13 +86,31 @@ def errors_of(outputs):
     return [line for line in "".join(outputs).splitlines() if line.startswith("error: ")]
 
 
+@pytest.fixture(scope="module")
+def read_stalls(era5, tmp_path_factory):
+    """{3: ..., 30: ...}: the jobs of the two tests below, each job() with rank 1's 8 s read stall under that
+    --collective_timeout, run beside each other (they mostly wait)."""
+    tmp = tmp_path_factory.mktemp("read_stalls")
+    return dict(zip((3, 30), beside(*(lambda t=t: job(era5, tmp / str(t), "read", t) for t in (3, 30)))))
+
+
+@pytest.fixture(scope="module")
+def write_stalls(era5, tmp_path_factory):
+    """{"store": ..., "collective": ...}: the jobs of the two slow-write tests below (rank 0's first checkpoint
+    write takes 16 s, --collective_timeout 8), rank 1 waiting in the store or in a collective, run beside each other
+    (they mostly wait)."""
+    tmp = tmp_path_factory.mktemp("write_stalls")
+    return dict(zip(("store", "collective"), beside(
+        lambda: job(era5, tmp / "store", "write", 8), lambda: job(era5, tmp / "collective", "write", 8, True))))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
+def test_a_collective_waits_no_longer_than_the_flag_says(read_stalls):
     """Rank 1 stalls 8 s mid-epoch; with --collective_timeout 3 rank 0's collective gives up after 3 s: every rank
     exits non-zero, the console has one line, naming the flag and rank 1, and no traceback (rank 1, back after rank
     0 has gone with its store, says nothing)."""
-    codes, outputs = job(era5, tmp_path, "read", 3)
+    codes, outputs = read_stalls[3]
     console = "".join(outputs)
     assert codes[0] == 2 and codes[1] != 0, (codes, console[-3000:])
     errors = errors_of(outputs)
@@ -102,30 +121,30 @@ def test_a_collective_waits_no_longer_than_the_flag_says(era5, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_twin_a_longer_timeout_lets_the_same_stall_pass(era5, tmp_path):
+def test_twin_a_longer_timeout_lets_the_same_stall_pass(read_stalls):
     """The check above can fail: the same 8 s stall under --collective_timeout 30 trains to the end on both ranks
     (so the 3 s above, not the stall, ended that job)."""
-    codes, outputs = job(era5, tmp_path, "read", 30)
+    codes, outputs = read_stalls[30]
     assert codes == [0, 0] and not errors_of(outputs), "".join(outputs)[-3000:]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_the_others_wait_for_a_slow_checkpoint_write_without_a_collective(era5, tmp_path):
+def test_the_others_wait_for_a_slow_checkpoint_write_without_a_collective(write_stalls):
     """Rank 0 takes 16 s to write its first checkpoint, twice --collective_timeout 8: rank 1 waits for it in the
     rendezvous store, and the job trains to the end and writes its checkpoints. (8 s, not 3 as above: the
     collectives after the write must not time out while rank 0 does its own work on a machine that is slow.)"""
-    codes, outputs = job(era5, tmp_path, "write", 8)
+    codes, outputs = write_stalls["store"]
     assert codes == [0, 0] and not errors_of(outputs), "".join(outputs)[-3000:]
     assert "Checkpoint of iteration 8 written" in outputs[0], outputs[0][-3000:]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_twin_waiting_in_a_collective_the_slow_write_ends_the_job(era5, tmp_path):
+def test_twin_waiting_in_a_collective_the_slow_write_ends_the_job(write_stalls):
     """The check above can fail: with the old wait (rank 1 in a collective broadcast) the same slow write makes rank
     1's broadcast time out and the job stops."""
-    codes, outputs = job(era5, tmp_path, "write", 8, collective_wait=True)
+    codes, outputs = write_stalls["collective"]
     assert codes != [0, 0] and "--collective_timeout (8 s)" in "".join(outputs), "".join(outputs)[-3000:]
 
 
@@ -413,15 +432,27 @@ def test_gloos_pair_closure_is_a_timeout_said_in_one_line(monkeypatch, capsys, r
             main()
 
 
+@pytest.fixture(scope="module")
+def woken_on_another_node(era5, tmp_path_factory):
+    """{True: ..., False: ...}: the runs of the test below, watched and unwatched, beside each other (they mostly
+    wait: a stopped rank, a timeout)."""
+    tmp = tmp_path_factory.mktemp("woken")
+    for name in ("watched", "unwatched"):
+        (tmp / name).mkdir()
+    return dict(zip((True, False), beside(
+        lambda: stop_a_rank(era5, tmp / "watched", 1, local_ranks=(0, 0)),
+        lambda: stop_a_rank(era5, tmp / "unwatched", 1, local_ranks=(0, 0), no_freeze_watch=True))))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.long
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "twin_unwatched"])
-def test_a_rank_woken_on_another_node_adds_no_line_blaming_the_others(era5, tmp_path, watched):
+def test_a_rank_woken_on_another_node_adds_no_line_blaming_the_others(woken_on_another_node, watched):
     """As on two nodes (LOCAL_RANK 0 on both): rank 1 is stopped, rank 0 names it and exits, taking its store; woken,
     rank 1 finds its collective failed and the store gone. Its freeze watch knows it was stopped longer than half the
     timeout: it exits without a line. Twin, unwatched: it blames rank 0 (that rank 0 did not reach a collective, or
     stopped answering: whichever its own collective's failure was), a second line contradicting the first."""
-    codes, outputs, _ = stop_a_rank(era5, tmp_path, 1, local_ranks=(0, 0), no_freeze_watch=not watched)
+    codes, outputs, _ = woken_on_another_node[watched]
     assert codes[0] == 2 and errors_of(outputs[:1])[0].startswith("error: rank 0: rank 1 did not reach"), outputs[0]
     if watched:
         assert not errors_of(outputs[1:]), outputs[1][-3000:]

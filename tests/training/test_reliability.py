@@ -26,7 +26,7 @@ import loop.flops
 import train
 from lifecycle.checkpoint import DamagedCheckpoint, load_checkpoint
 from sample_data import write_era5
-from tests.conftest import REPO_ROOT, free_port, run_command, scalar_points
+from tests.conftest import REPO_ROOT, free_port, run_command, run_ranks, scalar_points
 from utils.errors import UserError
 from utils.YParams import YParams
 
@@ -591,9 +591,22 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     it by themselves, and the final weights equal those of a run nobody killed."""
     argv = ["train.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "160", "--checkpoint_interval",
             "20"]
-    whole = run_command(argv + ["--expdir", str(tmp_path / "whole")], nproc=2)
+    whole = run_ranks(argv + ["--expdir", str(tmp_path / "whole")], 2)  # plain ranks: this launcher is not under test
     assert whole.returncode == 0, whole.stderr[-2000:]
+    launcher, output, checkpoint = killed_under_torchrun(argv, tmp_path)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "Resumed from" in output  # the restart really resumed (the comparison below could fail otherwise)
+    final = torch.load(checkpoint, weights_only=False)
+    reference = torch.load(os.path.join(str(tmp_path / "whole"), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt"),
+                           weights_only=False)
+    assert final["iteration"] == reference["iteration"] == 160
+    for name, weight in reference["model"].items():
+        torch.testing.assert_close(final["model"][name], weight, atol=1e-6, rtol=0, msg=name)
 
+
+def killed_under_torchrun(argv, tmp_path):
+    """`argv` under torchrun --max-restarts 1 on 2 ranks, one rank SIGKILLed once the first checkpoint is written:
+    (the launcher, its output, the checkpoint's path)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo: 2 ranks on the CPU
     env.pop("WORLD_SIZE", None)
     log_path = tmp_path / "torchrun.log"  # a file, not a pipe: a full pipe would stall the ranks' logging
@@ -609,15 +622,7 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     assert workers, "no worker processes found"
     os.kill(int(workers[-1]), signal.SIGKILL)  # one rank dies mid-run
     launcher.wait(timeout=300)
-    output = log_path.read_text()
-    assert launcher.returncode == 0, output[-3000:]
-    assert "Resumed from" in output  # the restart really resumed (the comparison below could fail otherwise)
-    final = torch.load(checkpoint, weights_only=False)
-    reference = torch.load(os.path.join(str(tmp_path / "whole"), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt"),
-                           weights_only=False)
-    assert final["iteration"] == reference["iteration"] == 160
-    for name, weight in reference["model"].items():
-        torch.testing.assert_close(final["model"][name], weight, atol=1e-6, rtol=0, msg=name)
+    return launcher, log_path.read_text(), checkpoint
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EACCES])

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import distributed.parallelize
 import train
 import train_mp
-from tests.conftest import as_spawned_rank, free_port, run_command
+from tests.conftest import as_spawned_rank, free_port, run_ranks
 from tests.parallel.test_fsdp import FSDP_ON_CPU
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -44,9 +44,9 @@ def serial(era5_dir, tmp_path_factory):
 
 
 def run_mp(era5_dir, expdir, nproc, tp, cp, *flags):
-    result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
-                          "--num_iters", ITERS, "--tensor_parallel", str(tp), "--context_parallel", str(cp), *flags],
-                         nproc=nproc)
+    result = run_ranks(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
+                        "--num_iters", ITERS, "--tensor_parallel", str(tp), "--context_parallel", str(cp), *flags],
+                       nproc)  # plain ranks: torchrun is not under test
     assert result.returncode == 0, result.stderr[-3000:]
     return results(os.path.join(str(expdir), "tiny", f"{tp * cp}MP", "00")), result.stderr
 
@@ -183,8 +183,8 @@ def test_train_mp_resumes_a_train_py_checkpoint_at_tp2(era5_dir, tmp_path, seria
 def test_without_gradient_reduction_the_cp_run_drifts(era5_dir, tmp_path, serial):
     """The comparisons above can fail: at cp=2 without DDP's hook (--noddp) the gradients of cp-shared weights
     cover half the tokens each, and the run leaves the serial one."""
-    result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
-                          "--num_iters", ITERS, "--context_parallel", "2", "--noddp"], nproc=2)
+    result = run_ranks(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                        "--num_iters", ITERS, "--context_parallel", "2", "--noddp"], 2)
     assert result.returncode == 0, result.stderr[-3000:]
     with pytest.raises(AssertionError):
         assert_same_run(results(os.path.join(str(tmp_path), "tiny", "2MP", "00")), serial)
@@ -279,8 +279,8 @@ def test_without_the_tp_gradient_sum_the_sequence_parallel_run_drifts(era5_dir, 
     """Without DDP's hook (--noddp) no gradient is summed over tp; at tp=2 alone that changes nothing (every rank
     sees all tokens). With --sequence_parallel the norms' and the row-parallel biases' gradients each cover half the
     tokens, and the run leaves the serial one: the tp sum those weights are marked for is what keeps it."""
-    result = run_command(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
-                          "--num_iters", ITERS, "--tensor_parallel", "2", "--noddp", "--sequence_parallel"], nproc=2)
+    result = run_ranks(["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path),
+                        "--num_iters", ITERS, "--tensor_parallel", "2", "--noddp", "--sequence_parallel"], 2)
     assert result.returncode == 0, result.stderr[-3000:]
     with pytest.raises(AssertionError):
         assert_same_run(results(os.path.join(str(tmp_path), "tiny", "2MP", "00")), serial)

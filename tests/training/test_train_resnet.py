@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from lifecycle.cli import apply_overrides, training_parser
 from sample_data.images import write_cifar100
-from tests.conftest import REPO_ROOT, run_command
+from tests.conftest import REPO_ROOT, run_command, run_ranks
 from utils.YParams import YParams
 
 RESNET_YAML = "config/ResNet50.yaml"
@@ -105,8 +105,9 @@ def equivalence_yaml(tmp_path):
 
 def ddp_weights(cifar_dir, tmp_path, nproc, *flags):
     yaml = equivalence_yaml(tmp_path)
-    result = run_command(["train.py", "--yaml_config", yaml, "--config", "equal", "--data_dir", cifar_dir,
-                          "--expdir", str(tmp_path), "--num_iters", "4", *flags], nproc=nproc)
+    argv = ["train.py", "--yaml_config", yaml, "--config", "equal", "--data_dir", cifar_dir, "--expdir",
+            str(tmp_path), "--num_iters", "4", *flags]
+    result = run_ranks(argv, nproc) if nproc > 1 else run_command(argv)  # plain ranks: torchrun is not under test
     assert result.returncode == 0, result.stderr[-3000:]
     path = os.path.join(str(tmp_path), "equal", f"{nproc}GPU", "00", "checkpoints", "ckpt.pt")
     return torch.load(path, weights_only=False)["model"]
