@@ -39,6 +39,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -161,17 +162,39 @@ class Session:
         with open(path, "w") as console:
             console.write(f"$ {shown}\n")
             console.flush()
+            # a session of its own: at the deadline torchrun and its ranks get SIGTERM together (they checkpoint and
+            # stop, as at a time limit), then SIGKILL 15 s later, as `timeout --kill-after=15` does
+            process = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env(env), stdout=console,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                code = subprocess.run(command, cwd=REPO_ROOT, env=self.env(env), stdout=console,
-                                      stderr=subprocess.STDOUT, timeout=seconds).returncode
+                code = process.wait(timeout=seconds)
             except subprocess.TimeoutExpired:
                 code = None
+                stop_group(process)
         with open(path) as console:
             output = console.read()
         log(f"{name}: {'deadline' if code is None else f'exit {code}'} in {time.monotonic() - began:.1f} s")
         if code is None:
             raise OutOfTime(f"{name} was cut by the part's deadline after {time.monotonic() - began:.0f} s")
         return code, output
+
+
+def stop_group(process, grace_s=15):
+    """SIGTERM to the process group of `process`, SIGKILL after `grace_s` if it has not ended."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group outlived its leader
+    except ProcessLookupError:
+        pass
 
 
 # ---- reading what the runs wrote ---------------------------------------------------------------------------------

@@ -198,3 +198,39 @@ def test_a_new_session_clears_the_last_ones_runs_and_keeps_its_data(tmp_path):
     gpu_multi.Session(str(tmp_path / "out"), str(work), str(tmp_path / "figures"), 2, 0, "tiny", 60)
     assert sorted(p.name for p in work.iterdir()) == ["data"] and (work / "data" / "era5_tiny").is_dir()
     assert (tmp_path / "elsewhere").is_dir()
+
+
+CHILD = """\
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("whole_group", [True, False], ids=["group", "twin-leader-only"])
+def test_a_command_cut_by_its_deadline_leaves_no_process(tmp_path, monkeypatch, whole_group):
+    """A command the part's deadline cuts (torchrun and its ranks) is stopped with its whole process group, its
+    children too. Twin: stopping only the command (what subprocess.run's timeout did) leaves its child running."""
+    import signal
+    import time
+    if not whole_group:
+        monkeypatch.setattr(gpu_multi, "stop_group", lambda process, grace_s=15: process.kill())
+    session = gpu_multi.Session(str(tmp_path / "out"), str(tmp_path / "work"), str(tmp_path / "figures"), 2, 0,
+                                "tiny", 60)
+    session.deadline = session.elapsed() + 11
+    (tmp_path / "child.py").write_text(CHILD)
+    with pytest.raises(gpu_multi.OutOfTime):
+        session.run("sleeper", [str(tmp_path / "child.py"), str(tmp_path / "pid")])
+    child = int((tmp_path / "pid").read_text())
+    time.sleep(0.5)
+    try:
+        os.kill(child, 0)
+        alive = open(f"/proc/{child}/stat").read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert alive is not whole_group
