@@ -44,7 +44,7 @@ lint: install
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not long" --durations=15 tests
 
-# the long end-to-end runs: every signal, restart, timeout and 4-rank path (13.2 minutes on 2 cores, 2026-11-29), in
+# the long end-to-end runs: every signal, restart, timeout and 4-rank path (18.1 minutes on 2 cores, 2026-11-29), in
 # one pytest process: with two (-n 2) they took longer, each run using both cores; CI runs them after `make test`
 test-long: lint
 	$(PY) -m pytest -q -m long --durations=15 tests
@@ -70,7 +70,7 @@ $(COMPAT_VENV)/.installed: requirements.txt
 test-compat: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and not long" tests
 
-# the long runs of that subset on torch 2.5 (3.8 minutes on 2 cores, 2026-11-29); CI runs them last
+# the long runs of that subset on torch 2.5 (3.7 minutes on 2 cores, 2026-11-29); CI runs them last
 test-compat-long: install-compat
 	$(COMPAT_PY) -m pytest -q -m "compat and long" tests
 
