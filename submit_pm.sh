@@ -17,7 +17,7 @@
 # One to four GPUs of one node, one rank per GPU (-n, default 1), in the container (shifter). Submit from the
 # repository root; every argument after the script name reaches the Python script unchanged.
 #   sbatch submit_pm.sh --config=short                                    # 1 GPU
-#   sbatch -n 4 submit_pm.sh --config=short                               # 4 GPUs of one node
+#   sbatch -q regular -n 4 submit_pm.sh --config=short                    # 4 GPUs: a whole node
 #   sbatch -A ntrain4_g --reservation=dlscale_training_1 submit_pm.sh ... # sbatch options override the #SBATCH lines
 # No --ntasks-per-node (as the 2024 original): with `--ntasks-per-node 1`, Slurm would spread -n 4 over 4 nodes,
 # which the shared QOS refuses. More than one node (-N 2, -n 8) is refused by the shared QOS at submission; with
