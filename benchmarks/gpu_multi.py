@@ -118,7 +118,7 @@ class OutOfTime(Exception):
 class Session:
     def __init__(self, out, work, figures, ranks, gpus, mode, budget):
         self.out, self.work, self.figures = out, work, figures
-        self.ranks, self.gpus, self.mode, self.settings = ranks, gpus, mode, MODES[mode]
+        self.ranks, self.gpus, self.settings = ranks, gpus, MODES[mode]
         self.budget = budget
         self.start = time.monotonic()
         self.deadline = budget
@@ -232,6 +232,11 @@ def benchy(path):
         found = json.load(f)
     return {"samples_per_s": found["FULL"]["mean"], "step_alone_samples_per_s": found["SYNTHETIC"]["mean"],
             "loader_alone_samples_per_s": found["IO"]["mean"], "peak_memory_gb": found["peak_memory_gb"]}
+
+
+def flag_value(flags, name):
+    """The value that follows `name` in a list of command-line flags."""
+    return flags[flags.index(name) + 1]
 
 
 def lines_of(output, pattern):
@@ -392,15 +397,12 @@ def layouts_of(n):
     return found
 
 
-def prediction(s, mp_flags, tp, cp):
-    """The performance model's samples/s and memory for this layout (on CPUs: an H100's, a prediction for a GPU)."""
+def prediction(s, params, local, tp, cp):
+    """The performance model's samples/s and memory for this layout of the config `params` at local batch `local`
+    (on CPUs: an H100's, a prediction for a GPU)."""
     from planning import perf_model
     from planning.dry_run import gpu_system
     from utils.layout import Layout
-    from utils.YParams import YParams
-    config = mp_flags[mp_flags.index("--config") + 1]
-    params = YParams(os.path.join(REPO_ROOT, "config", "ViT.yaml"), config)
-    local = int(mp_flags[mp_flags.index("--local_batch_size") + 1])
     system = (gpu_system(device_name()) if s.gpus else None) or "H100-SXM"
     shape = perf_model.ViTShape.from_params(params)
     layout = Layout.for_world(s.ranks, tp, cp)
@@ -418,7 +420,8 @@ def model_parallel(s, data, found):
     from networks.vit import layout_facts
     from utils.layout import Layout
     from utils.YParams import YParams
-    params = YParams(os.path.join(REPO_ROOT, "config", "ViT.yaml"), st["mp"][st["mp"].index("--config") + 1])
+    params = YParams(os.path.join(REPO_ROOT, "config", "ViT.yaml"), flag_value(st["mp"], "--config"))
+    local = int(flag_value(st["mp"], "--local_batch_size"))
     for tp, cp in layouts_of(n):
         refused = Layout.for_world(n, tp, cp).refusal(**layout_facts(params))
         if refused:  # the line train_mp.py would stop with: not run
@@ -433,12 +436,11 @@ def model_parallel(s, data, found):
                                                   os.path.join(s.work, "mp"), "--run_num", f"tp{tp}cp{cp}"], n,
                              {"BENCHY_OUTPUT": bench})
         row = {"tp": tp, "cp": cp, "dp": n // (tp * cp), "ok": code == 0}
-        if code == 0:
+        if code != 0:
+            row["error"] = error_line(output)
+        else:
             row.update(benchy(bench + ".json"))
             row["memory_lines"] = lines_of(output, r"Scaffolding memory|Predicted memory|peak memory")
-        else:
-            row["error"] = error_line(output)
-        if code == 0:
             dry_args = [*st["mp"], *layout_flags, *st["dry_run"], "--dry_run", str(n)]
             left = s.deadline - s.elapsed()
             if left > 20:
@@ -446,7 +448,7 @@ def model_parallel(s, data, found):
                 row["dry_run"] = {"error": error} if error else {
                     k: dry[k] for k in ("peak_memory_gb", "peak_memory_is", "step_time_s", "parameters",
                                         "saved_activations", "local_batch_size")}
-            row["predicted"] = prediction(s, st["mp"], tp, cp)
+            row["predicted"] = prediction(s, params, local, tp, cp)
         found["layouts"].append(row)
     found["ok"] = all(r["ok"] for r in found["layouts"])
     return found
@@ -543,6 +545,10 @@ def one_gpu_nccl(s, data, found):
                              "trains on the GPU without NCCL", **({} if code == 0 else {"error": error_line(output)})}
     found["ok"] = found["ok"] and found["train_mp_tp1"]["ok"]
     return found
+
+
+RUNS = {"exactness": exactness, "data_parallel": data_parallel, "dp_profile": dp_profile,
+        "model_parallel": model_parallel, "collectives": collectives, "failure": failure}
 
 
 # ---- the session -----------------------------------------------------------------------------------------------
@@ -654,7 +660,7 @@ def main(argv=None):
         try:
             if data.get("dp") is None and name in ("data_parallel", "dp_profile", "model_parallel"):
                 raise OutOfTime("the sample data at 360 x 720 was not written in time")
-            globals()[name](s, data, found)
+            RUNS[name](s, data, found)
         except OutOfTime as err:
             found.update(ok=False, error=str(err))
         except Exception as err:  # the part's own error, in one line; the next part still runs
