@@ -47,9 +47,9 @@ from utils.errors import exit_on_user_error
 def main(argv=None):
     args = training_parser(__doc__.splitlines()[0]).parse_args(argv)
     params = load_config(args)
-    comm.init(rendezvous_timeout=args.dist_timeout,  # every rank is a data-parallel replica: "dp" is the world
-              collective_timeout=args.collective_timeout)
-    run = start_run(args, params, layout=f"{comm.get_world_size()}GPU")
+    grid = comm.init(rendezvous_timeout=args.dist_timeout,  # every rank a data-parallel replica: "dp" is the world
+                     collective_timeout=args.collective_timeout)
+    run = start_run(args, params, grid, layout=f"{comm.get_world_size()}GPU")
     device = run.device
 
     # data: each data-parallel rank reads its own shard

@@ -49,9 +49,9 @@ from utils.errors import exit_on_user_error
 def main(argv=None):
     args = training_parser(__doc__.splitlines()[0]).parse_args(argv)
     params = load_config(args)
-    comm.init(rendezvous_timeout=args.dist_timeout,  # every rank is a data-parallel replica: "dp" is the world
-              collective_timeout=args.collective_timeout)
-    run = start_run(args, params, layout=f"{comm.get_world_size()}GPU")
+    grid = comm.init(rendezvous_timeout=args.dist_timeout,  # every rank a data-parallel replica: "dp" is the world
+                     collective_timeout=args.collective_timeout)
+    run = start_run(args, params, grid, layout=f"{comm.get_world_size()}GPU")
     device = run.device
     cuda_graphs.check_support(params, args, device, script=__file__)
 
@@ -91,8 +91,8 @@ def main(argv=None):
         model = DataParallel(AutocastForward(model, device.type, params.amp_dtype, params.amp_enabled))
     if params.enable_jit:
         model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
-    cuda_graphs.leave_stream(stream)
 
+    cuda_graphs.leave_stream(stream)  # back on the default stream, which waits for the wrap's work
     loss_fn = get_loss(params)
     metrics_fn = get_valid_metrics(params)
     train_metrics_fn = get_train_metrics(params)

@@ -15,15 +15,9 @@ import logging
 
 import torch
 
+from distributed import serial_state
 from distributed.grad_scaler import ModelParallelGradScaler
-from distributed.helpers import init_params_for_shared_weights
-from distributed.parallelize import parallelize
-from distributed.serial_state import (
-    load_serial_optimizer_state,
-    load_serial_state_dict,
-    serial_optimizer_state,
-    serial_state_dict,
-)
+from distributed.parallelize import Options, parallelize
 from lifecycle.cli import model_parallel_parser
 from lifecycle.run import finish_run, load_config, restore, save, set_run_length, start_run
 from loaders import get_data_loader_distributed
@@ -56,9 +50,10 @@ def main(argv=None):
     args = model_parallel_parser(__doc__.splitlines()[0]).parse_args(argv)  # + layout, memory and dry-run flags
     params = load_config(args)
     layout = Layout.from_flags(args, args.dry_run or comm.world_size_to_be())  # tp x cp x dp, checked once
-    comm.init(layout, rendezvous_timeout=args.dist_timeout, dry_run_rank=args.dry_run_rank if args.dry_run else None,
-              collective_timeout=args.collective_timeout)
-    run = start_run(args, params, layout=f"{layout.model_parallel}MP")
+    if args.dry_run:  # this process is one rank of the layout, the others stand-ins (planning/dry_run.py)
+        dry_run.join(layout, args.dry_run_rank)
+    grid = comm.init(layout, rendezvous_timeout=args.dist_timeout, collective_timeout=args.collective_timeout)
+    run = start_run(args, params, grid, layout=f"{layout.model_parallel}MP")
     device = run.device
 
     # data: each data-parallel rank reads its own shard
@@ -70,7 +65,7 @@ def main(argv=None):
     steps_per_epoch = len(train_loader)
     set_run_length(params, steps_per_epoch)
 
-    # model (same initial weights on every rank)
+    # model (same initial weights on every rank): the serial ViT, split by the recipe below
     torch.manual_seed(params.seed)
     model = get_model(params).to(device)
     # channels_last: convolutions run on NHWC (NDHWC) tensor-core kernels without transposes
@@ -78,23 +73,20 @@ def main(argv=None):
     if params.enable_nhwc:
         model = model.to(memory_format=memory_format)
     raw_model = model  # unwrapped: what checkpoints hold
-    if comm.get_size("tp-cp") > 1:
-        init_params_for_shared_weights(model)  # copies of shared weights equal across the model-parallel group
-    logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in model.parameters()):,}")
-    logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
-    logging.info(perf_model.predicted_memory_line(params, layout, ddp=not args.noddp))  # against the line at i == 1
 
     # wrap for data parallelism over "dp"
-    model = parallelize(model, layout, args, device, params)  # checkpointing, then DDP or FSDP (distributed/)
-    if params.enable_jit:
-        model = torch.compile(model)  # compiling the DDP model lets its optimizer split graphs at buckets
+    model = parallelize(model, grid, device, Options.from_flags(args, params))  # the recipe: distributed/parallelize.py
+    logging.info(f"Number of parameters on this rank: {sum(p.numel() for p in raw_model.parameters()):,}")
+    logging.info(f"Scaffolding memory high watermark: {peak_memory_gb(device):.4f} GB.")
+    logging.info(perf_model.predicted_memory_line(params, layout, ddp=not args.noddp))  # against the line at i == 1
 
     # the optimizer on the wrapped parameters (--fsdp shards them), then the checkpoint's state if resuming
     optimizer = get_optimizer(params, raw_model)
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = ModelParallelGradScaler(device.type, "tp-cp", enabled=params.amp_mode == "fp16")  # skip steps together
-    start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, load_serial_state_dict,
-                                     lambda opt, state: load_serial_optimizer_state(raw_model, opt, state))
+    scaler = ModelParallelGradScaler(device.type, grid["tp-cp"], enabled=params.amp_mode == "fp16")  # skip together
+    start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, serial_state.load_serial_state_dict,
+                                     lambda opt, state: serial_state.load_serial_optimizer_state(raw_model, opt, state))
+
     loss_fn = get_loss(params)
     metrics_fn = get_valid_metrics(params)
     train_metrics_fn = get_train_metrics(params)
@@ -140,8 +132,8 @@ def main(argv=None):
     def checkpoint(iters):
         meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
         # gathered to the serial layout on every rank (collective), written by rank 0
-        save(run, serial_state_dict(raw_model), serial_optimizer_state(raw_model, optimizer), scheduler, scaler,
-             iters, meter)
+        save(run, serial_state.serial_state_dict(raw_model), serial_state.serial_optimizer_state(raw_model, optimizer),
+             scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
     iters, stop = start_iter, milestones.stop(start_iter)

@@ -93,7 +93,8 @@ def main(argv=None):
     from utils import comm
     from utils.logging_utils import config_logger
     config_logger()
-    ranks, rank, _ = comm.init()
+    comm.init()
+    ranks, rank = comm.get_world_size(), comm.get_world_rank()
     if ranks < 2:
         parser.error("one rank has no one to talk to: start 2 or more (torchrun --nproc_per_node N)")
     device = comm.get_device()

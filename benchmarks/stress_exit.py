@@ -106,7 +106,7 @@ def teardown_rank(cycles, switched_off):
     import torch
     import torch.distributed as dist
 
-    from distributed.mappings import init_ddp_model_and_reduction_hooks
+    from distributed.data_parallel import init_ddp_model_and_reduction_hooks
     from utils import comm
     from utils.layout import Layout
     if switched_off:
@@ -116,8 +116,8 @@ def teardown_rank(cycles, switched_off):
                           timeout=datetime.timedelta(seconds=60))
     for cycle in range(cycles):
         dist.init_process_group("gloo", store=dist.PrefixStore(f"cycle_{cycle}", store), rank=rank, world_size=world)
-        comm.init(Layout.for_world(world, 2, 2, sequence_parallel=True, checkpointing=True))
-        model = init_ddp_model_and_reduction_hooks(torch.nn.Linear(4, 4), None, None)  # the comm hook's callback
+        grid = comm.init(Layout.for_world(world, 2, 2, sequence_parallel=True, checkpointing=True))
+        model = init_ddp_model_and_reduction_hooks(torch.nn.Linear(4, 4), grid, torch.device("cpu"))  # + comm hook
         for _ in range(3):
             model(torch.randn(2, 4)).sum().backward()
             for name in ("tp", "cp", "tp-cp", "dp"):

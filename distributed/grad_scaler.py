@@ -11,21 +11,22 @@ combines the flag (max) over their dp mesh (torch.distributed.tensor's found_inf
 import torch
 import torch.distributed as dist
 
-from utils import comm
+from distributed.helpers import axis_of
 
 
 class ModelParallelGradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler whose skip decision is taken together by the ranks of `group` (a utils.comm name,
-    "tp-cp" in train_mp.py): a step is skipped everywhere when any rank's gradient shard overflowed. Works with the
-    plain and the fused optimizer paths (both find infs through `_unscale_grads_`), also inside a CUDA graph."""
+    """torch.amp.GradScaler whose skip decision is taken together by the ranks of `group` (the grid's "tp-cp" in
+    train_mp.py; an Axis or a group's name): a step is skipped everywhere when any rank's gradient shard overflowed.
+    Works with the plain and the fused optimizer paths (both find infs through `_unscale_grads_`), also inside a CUDA
+    graph."""
 
     def __init__(self, device="cuda", group="tp-cp", **kwargs):
         super().__init__(device, **kwargs)
-        self.group = group
+        self.group = axis_of(group)
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         found_inf_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if comm.get_size(self.group) > 1:
+        if self.group.size > 1:
             for device in sorted(found_inf_per_device, key=str):  # the same order on every rank
-                dist.all_reduce(found_inf_per_device[device], op=dist.ReduceOp.MAX, group=comm.get_group(self.group))
+                dist.all_reduce(found_inf_per_device[device], op=dist.ReduceOp.MAX, group=self.group.group)
         return found_inf_per_device

@@ -12,19 +12,22 @@ the blocks as well: a column-parallel entry all-gathers them over tp (its backwa
 copying, and the row-parallel exit reduce-scatters them instead of all-reducing (same volume); the norms and the
 biases after a row-parallel sum then see this rank's tokens only, and their gradients are summed over tp too.
 `load_serial(module)` copies this rank's shard of a serial layer's weights (exact initialisation, tests).
+
+Each layer is given the groups it splits over: Axes of the run's grid (utils/layout.py), handed down by the recipe
+(parallelize.py), from which it reads their sizes; or names ("tp", "cp": the original's way, looked up in utils.comm).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed.helpers import mark_shared
+from distributed.helpers import axis_of, mark_shared
 from distributed.mappings import (
     all_gather_from_parallel_region,
     copy_to_parallel_region,
     reduce_from_parallel_region,
     reduce_scatter_to_parallel_region,
 )
-from utils import comm
+from utils.layout import Layout
 
 
 def cast_once_for_autocast(x):
@@ -39,74 +42,72 @@ def cast_once_for_autocast(x):
 
 
 class DistributedMatmul(nn.Module):
-    """y = x W^T + b with W split over `comm_out_name` (output features: column-parallel) or `comm_inp_name`
-    (input features: row-parallel; the partial products are summed before the bias is added once). With
-    `sequence_shapes` (sequence parallelism) the tokens enter all-gathered and leave reduce-scattered over tp."""
+    """y = x W^T + b with W split over the group `out_group` (output features: column-parallel) or `inp_group`
+    (input features: row-parallel; the partial products are summed before the bias is added once); `act_group`:
+    the group the activations' tokens are split over (cp). With `sequence_shapes` (sequence parallelism) the tokens
+    enter all-gathered and leave reduce-scattered over tp."""
 
-    def __init__(self, inp_dim, out_dim, comm_inp_name, comm_out_name, comm_act_name="cp", bias=True,
-                 sequence_shapes=None):
+    def __init__(self, inp_dim, out_dim, inp_group, out_group, act_group="cp", bias=True, sequence_shapes=None):
         super().__init__()
-        self.comm_inp_name, self.comm_out_name, self.comm_act_name = comm_inp_name, comm_out_name, comm_act_name
+        self.inp, self.out, self.act = axis_of(inp_group), axis_of(out_group), axis_of(act_group)
         self.sequence_shapes = sequence_shapes  # sequence parallelism: tokens per tp rank between the blocks
-        inp_size, out_size = comm.get_size(comm_inp_name), comm.get_size(comm_out_name)
+        inp_size, out_size = self.inp.size, self.out.size
         if inp_size > 1 and out_size > 1:
             raise ValueError("DistributedMatmul splits either the input or the output features, not both")
         if inp_dim % inp_size or out_dim % out_size:
             raise ValueError(f"features {inp_dim} -> {out_dim} do not divide over {inp_size} x {out_size} ranks")
         self.weight = nn.Parameter(torch.empty(out_dim // out_size, inp_dim // inp_size))
         nn.init.trunc_normal_(self.weight, std=0.02)
-        mark_shared(self.weight, [comm_act_name], [comm_act_name])
+        mark_shared(self.weight, [self.act], [self.act])
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(1, 1, out_dim // out_size))
             # after a row-parallel sum the bias is shared over tp; under sequence parallelism it meets only this
             # rank's tokens, so its gradient is summed over tp as well
-            summed = [comm_inp_name, comm_act_name] if sequence_shapes else [comm_act_name]
-            mark_shared(self.bias, [comm_inp_name, comm_act_name], summed)
+            summed = [self.inp, self.act] if sequence_shapes else [self.act]
+            mark_shared(self.bias, [self.inp, self.act], summed)
 
     @staticmethod
-    def shard(tensor, dim, name):
-        """This rank's chunk (a view) of a serial `tensor` along `dim`, split over the group `name`."""
-        return torch.chunk(tensor, comm.get_size(name), dim=dim)[comm.get_rank(name)]
+    def shard(tensor, dim, axis):
+        """This rank's chunk (a view) of a serial `tensor` along `dim`, split over the group `axis` (an Axis)."""
+        return torch.chunk(tensor, axis.size, dim=dim)[axis.rank]
 
     @torch.no_grad()
     def load_serial(self, linear):
         """This rank's shard of an nn.Linear's weight and bias."""
-        weight = self.shard(self.shard(linear.weight, 0, self.comm_out_name), 1, self.comm_inp_name)
+        weight = self.shard(self.shard(linear.weight, 0, self.out), 1, self.inp)
         self.weight.copy_(weight)
         if self.bias is not None:
-            self.bias.copy_(self.shard(linear.bias, 0, self.comm_out_name).view(1, 1, -1))
+            self.bias.copy_(self.shard(linear.bias, 0, self.out).view(1, 1, -1))
 
     def enter(self, x):
         """Into a column-parallel matmul: identity forward, the gradient all-reduced over tp backward; under sequence
         parallelism, this rank's tokens all-gathered over tp forward, the gradient reduce-scattered backward."""
         if self.sequence_shapes:
-            return all_gather_from_parallel_region(x, 1, self.sequence_shapes, self.comm_out_name)
-        return copy_to_parallel_region(x, self.comm_out_name)
+            return all_gather_from_parallel_region(x, 1, self.sequence_shapes, self.out)
+        return copy_to_parallel_region(x, self.out)
 
     def forward(self, x, entered=False):
         """`entered`: x already went through enter() (attention's q, k and v share one entry)."""
         y = F.linear(x if entered else self.enter(x), self.weight)
         if self.sequence_shapes:  # out of a row-parallel matmul: the sum over tp, scattered by tokens
-            y = reduce_scatter_to_parallel_region(y, 1, self.sequence_shapes, self.comm_inp_name)
+            y = reduce_scatter_to_parallel_region(y, 1, self.sequence_shapes, self.inp)
         else:
-            y = reduce_from_parallel_region(y, self.comm_inp_name)
+            y = reduce_from_parallel_region(y, self.inp)
         return y + self.bias if self.bias is not None else y
 
 
 class DistributedMLP(nn.Module):
     """fc1 column-parallel (the hidden width split over tp), activation, fc2 row-parallel: one all-reduce."""
 
-    def __init__(self, in_features, hidden_features=None, out_features=None, comm_tp_name="tp", comm_cp_name="cp",
+    def __init__(self, in_features, hidden_features=None, out_features=None, tp="tp", cp="cp",
                  act_layer=nn.GELU, drop=0.0, sequence_shapes=None):
         super().__init__()
         hidden_features = hidden_features or in_features
         out_features = out_features or in_features
-        self.fc1 = DistributedMatmul(in_features, hidden_features, None, comm_tp_name, comm_cp_name,
-                                     sequence_shapes=sequence_shapes)
+        self.fc1 = DistributedMatmul(in_features, hidden_features, None, tp, cp, sequence_shapes=sequence_shapes)
         self.act = act_layer()
-        self.fc2 = DistributedMatmul(hidden_features, out_features, comm_tp_name, None, comm_cp_name,
-                                     sequence_shapes=sequence_shapes)
+        self.fc2 = DistributedMatmul(hidden_features, out_features, tp, None, cp, sequence_shapes=sequence_shapes)
         self.drop = nn.Dropout(drop)
 
     def load_serial(self, mlp):
@@ -121,20 +122,20 @@ class DistributedAttention(nn.Module):
     """Multi-head attention with the heads split over tp and the sequence over cp: q, k, v column-parallel,
     keys and values of the whole sequence gathered over cp, proj row-parallel."""
 
-    def __init__(self, dim, comm_tp_name="tp", comm_cp_name="cp", cp_shapes=None, num_heads=8, qkv_bias=False,
+    def __init__(self, dim, tp="tp", cp="cp", cp_shapes=None, num_heads=8, qkv_bias=False,
                  attn_drop=0.0, proj_drop=0.0, sequence_shapes=None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        if num_heads % comm.get_size(comm_tp_name):
-            raise ValueError("heads are not evenly split across TP model ranks")
-        self.num_heads_local = num_heads // comm.get_size(comm_tp_name)
+        tp, self.cp = axis_of(tp), axis_of(cp)
+        Layout(tp=tp.size).check(num_heads=num_heads)  # each tp rank holds whole heads (the layout's rule)
+        self.num_heads_local = num_heads // tp.size
         self.head_dim = dim // num_heads
-        self.comm_cp_name, self.cp_shapes = comm_cp_name, cp_shapes
-        self.q, self.k, self.v = (DistributedMatmul(dim, dim, None, comm_tp_name, comm_cp_name, bias=qkv_bias,
+        self.cp_shapes = cp_shapes
+        self.q, self.k, self.v = (DistributedMatmul(dim, dim, None, tp, self.cp, bias=qkv_bias,
                                                     sequence_shapes=sequence_shapes) for _ in range(3))
         self.attn_drop = attn_drop
-        self.proj = DistributedMatmul(dim, dim, comm_tp_name, None, comm_cp_name, sequence_shapes=sequence_shapes)
+        self.proj = DistributedMatmul(dim, dim, tp, None, self.cp, sequence_shapes=sequence_shapes)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def load_serial(self, attention):
@@ -150,8 +151,8 @@ class DistributedAttention(nn.Module):
             return t.view(B, t.shape[1], self.num_heads_local, self.head_dim).transpose(1, 2)
 
         q, k, v = (heads(layer(x, entered=True)) for layer in (self.q, self.k, self.v))
-        k = all_gather_from_parallel_region(k, 2, self.cp_shapes, self.comm_cp_name)  # the whole sequence
-        v = all_gather_from_parallel_region(v, 2, self.cp_shapes, self.comm_cp_name)
+        k = all_gather_from_parallel_region(k, 2, self.cp_shapes, self.cp)  # the whole sequence
+        v = all_gather_from_parallel_region(v, 2, self.cp_shapes, self.cp)
         attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, self.num_heads_local * self.head_dim)))
 
@@ -163,14 +164,14 @@ class DistributedLayerNorm(nn.Module):
     made the two models differ)."""
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, bias=True, device=None, dtype=None,
-                 comm_tp_name="tp", comm_cp_name="cp", sequence_parallel=False):
+                 tp="tp", cp="cp", sequence_parallel=False):
         super().__init__()
         self.norm = nn.LayerNorm(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                                  device=device, dtype=dtype)
         # under sequence parallelism each tp rank normalises its own tokens: gradients summed over tp as well
-        summed = [comm_tp_name, comm_cp_name] if sequence_parallel else [comm_cp_name]
+        summed = [tp, cp] if sequence_parallel else [cp]
         for param in self.norm.parameters():
-            mark_shared(param, [comm_tp_name, comm_cp_name], summed)
+            mark_shared(param, [tp, cp], summed)
 
     @torch.no_grad()
     def load_serial(self, layer_norm):

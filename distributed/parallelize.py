@@ -1,22 +1,30 @@
-"""What train_mp.py applies to the ViT once it is built, in one place and one fixed order (torchtitan's order):
+"""The recipe: everything a layout asks of the serial ViT, applied by one function (parallelize), in one fixed order.
 
-1. tensor, sequence and context parallelism: already in the model (networks/vit.py swaps in the layers of
-   layers.py);
-2. activation checkpointing (`--activation_checkpointing`, the layout's `checkpointing`): each transformer
-   block keeps only its input for the backward pass and recomputes its forward there;
-3. data parallelism over "dp", one of:
-   - DDP (the default): whole weights, gradients and Adam moments on every dp rank; its comm hook also sums the
-     gradients of cp-shared weights over "cp" (mappings.init_ddp_model_and_reduction_hooks);
-   - FSDP2 (`--fsdp`, torch.distributed.fsdp.fully_shard per transformer block and the root, over the "dp" group):
-     each rank keeps 1/dp of every parameter (of its tp shard), gradient and Adam moment; a block's weights are
-     all-gathered just before its forward and its backward and freed after, and the gradients reduce-scattered
-     (averaged over dp). The sums over "cp" and "tp" that DDP's hook does run on the gradient shards just before
-     each optimizer step (sum_marked_gradient_shards). The optimizer is built after this: FSDP replaces the
-     parameters with sharded ones (DTensors); checkpoints gather them (serial_state).
+    1. tensor, sequence and context parallelism (split_tokens_and_weights): each block's attention, MLP and norms
+       become the layers of layers.py holding this rank's shard of the serial weights, and the model is handed its
+       cp and tp groups and split shapes; copies of shared weights are made equal over the model-parallel group;
+    2. activation checkpointing (`--activation_checkpointing`, the layout's `checkpointing`): each transformer block
+       keeps only its input for the backward pass and recomputes its forward there;
+    3. data parallelism over "dp", one of:
+       - DDP (the default): whole weights, gradients and Adam moments on every dp rank; its comm hook also sums the
+         gradients of cp-shared weights over "cp" (data_parallel.py);
+       - FSDP2 (`--fsdp`, torch.distributed.fsdp.fully_shard per transformer block and the root, over the "dp"
+         group): each rank keeps 1/dp of every parameter (of its tp shard), gradient and Adam moment; a block's
+         weights are all-gathered just before its forward and its backward and freed after, and the gradients
+         reduce-scattered (averaged over dp). The sums over "cp" and "tp" that DDP's hook does run on the gradient
+         shards just before each optimizer step (sum_marked_gradient_shards). The optimizer is built after this:
+         FSDP replaces the parameters with sharded ones (DTensors); checkpoints gather them (serial_state);
+    4. torch.compile (enable_jit) of the wrapped model: compiling the DDP module (rather than the model inside it,
+       torchtitan's order for FSDP) lets DDP's graph optimizer split the graph at its buckets, so that each bucket's
+       all-reduce starts while the backward goes on.
 
-A later feature takes its place in this order here, not in the training scripts.
+Everything it needs comes in as arguments: the model, the run's grid (utils/layout.Grid, from comm.init) and the
+small option objects below; nothing is fetched from a global. A later parallel dimension is one more step here,
+with its layers in a file of its own and its rules in utils/layout.py (docs/internals.md).
 """
+import functools
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,13 +32,85 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
-from distributed.mappings import init_ddp_model_and_reduction_hooks, reduce_marked_gradients
-from utils import comm
+from distributed.data_parallel import DDPOptions, init_ddp_model_and_reduction_hooks, reduce_marked_gradients
+from distributed.helpers import compute_split_shapes, init_params_for_shared_weights, mark_shared
+from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
 from utils.compat import fsdp_api
 
 PRESERVE_RNG_STATE = True  # the recomputed forward replays the dropout masks of the first (tests switch it off)
 SUM_GRADIENT_SHARDS = True  # FSDP: the cp/tp sums of the marked gradients before each step (tests switch it off)
-_step_hook = None
+_step_hook = {}  # "handle": FSDP's optimizer pre-hook, registered for the grid of the latest recipe
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the recipe is asked beyond the layout (train_mp.py's flags and config, read once: from_flags)."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)  # on or off, bucket size, buffer broadcast
+    compile: bool = False  # enable_jit
+    param_dtype: torch.dtype = None  # FSDP's all-gathered weights: the autocast dtype (bf16, fp16), or None: fp32
+    channels_last: bool = False  # enable_nhwc (FSDP refuses it)
+
+    @classmethod
+    def from_flags(cls, args, params):
+        return cls(DDPOptions.from_flags(args), bool(params.enable_jit),
+                   params.amp_dtype if params.amp_enabled else None, bool(params.get("enable_nhwc")))
+
+
+def parallelize(model, grid, device, options=Options()):
+    """`model` (the serial ViT, on `device`) split, checkpointed, wrapped and compiled as the grid's layout and
+    `options` ask, in the order of this module's docstring. The model itself (the same module, changed in place by
+    steps 1 and 2) stays what checkpoints hold; build the optimizer on it after this call. Returns the model to run.
+    A layout the model or the options cannot take is refused here, in one line, before anything changes."""
+    layout = grid.layout
+    facts = model.layout_facts() if hasattr(model, "layout_facts") else {}  # the ViT's heads, width, tokens, dropout
+    layout.check(**facts, noddp=not options.ddp.enabled, channels_last=options.channels_last)
+    if layout.model_parallel > 1:
+        split_tokens_and_weights(model, grid)  # 1
+    if layout.checkpointing:
+        checkpoint_blocks(model.blocks)  # 2
+    if layout.fsdp and layout.world_size == 1:
+        logging.info("--fsdp on one rank: nothing to shard, the model stays whole")
+    if layout.world_size > 1 and layout.fsdp:  # 3
+        model = shard_fully(model, grid, device, options.param_dtype)
+    elif layout.world_size > 1 and options.ddp.enabled:
+        model = init_ddp_model_and_reduction_hooks(model, grid, device, options.ddp)
+    if options.compile:  # 4
+        model = torch.compile(model)
+    return model
+
+
+def split_tokens_and_weights(model, grid):
+    """Swap each block's attention, MLP and norms for their tp/cp versions, loaded with this rank's shard of the serial
+    weights: the model equals the serial one built with the same seed. The model is given its cp and tp groups, the
+    tokens each cp rank holds and, under sequence parallelism, the tokens each tp rank holds between the blocks."""
+    cp, tp = grid["cp"], grid["tp"]
+    model.cp, model.tp = cp, tp
+    model.cp_shapes = compute_split_shapes(model.h * model.w, cp.size)
+    if grid.layout.sequence_parallel and tp.size > 1:  # this rank's cp chunk of tokens is split again over tp
+        model.sequence_shapes = compute_split_shapes(model.cp_shapes[cp.rank], tp.size)
+    sequence, split_tokens = {"sequence_shapes": model.sequence_shapes}, bool(model.sequence_shapes)
+    device = model.pos_embed.device  # the new layers are built on the CPU, then moved there
+    with torch.random.fork_rng(devices=[]):  # the distributed layers' own initialisation must not move the RNG
+        for block in model.blocks:
+            dim, hidden = block.norm1.normalized_shape[0], block.mlp.fc1.out_features
+            replacements = {
+                "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps, tp=tp, cp=cp, sequence_parallel=split_tokens),
+                "attn": DistributedAttention(dim, tp=tp, cp=cp, cp_shapes=model.cp_shapes,
+                                             num_heads=block.attn.num_heads, qkv_bias=True,
+                                             attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p,
+                                             **sequence),
+                "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps, tp=tp, cp=cp, sequence_parallel=split_tokens),
+                "mlp": DistributedMLP(dim, hidden, tp=tp, cp=cp, drop=block.mlp.drop.p, **sequence),
+            }
+            for name, layer in replacements.items():
+                layer.to(device).load_serial(getattr(block, name))
+                setattr(block, name, layer)
+    # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
+    # (upstream left them unreduced and the copies drifted apart)
+    for param in model.norm.parameters():
+        mark_shared(param, ["tp-cp"], ["cp"])
+    init_params_for_shared_weights(model, grid)  # copies of shared weights equal across the model-parallel group
+    return model
 
 
 def checkpoint_blocks(blocks):
@@ -46,18 +126,17 @@ def checkpoint_blocks(blocks):
         block.forward = checkpointed
 
 
-def shard_fully(model, device, params):
-    """FSDP2 over "dp": each transformer block is one unit (all-gathered, used, freed in turn), the root holds the
-    rest (patch and position embedding, final norm, head). With bf16 or fp16 the all-gathered weights are in that
-    precision (MixedPrecisionPolicy: half the bytes moved), so the whole forward runs in it, the residual stream
-    included (autocast still runs norms and softmax in fp32), and the gradients are reduced in fp32. The
-    shared-weight marks (helpers.mark_shared) move to the sharded parameters."""
+def shard_fully(model, grid, device, param_dtype=None):
+    """FSDP2 over the grid's "dp": each transformer block is one unit (all-gathered, used, freed in turn), the root
+    holds the rest (patch and position embedding, final norm, head). With `param_dtype` (bf16 or fp16) the
+    all-gathered weights are in that precision (MixedPrecisionPolicy: half the bytes moved), so the whole forward
+    runs in it, the residual stream included (autocast still runs norms and softmax in fp32), and the gradients are
+    reduced in fp32. The shared-weight marks (helpers.mark_shared) move to the sharded parameters."""
     fully_shard, MixedPrecisionPolicy = fsdp_api(device)
     marks = {name: (p.is_shared_mp, p.mark_for_reduction) for name, p in model.named_parameters()
              if hasattr(p, "is_shared_mp")}
-    mesh = DeviceMesh.from_group(comm.get_group("dp"), device.type)
-    policy = MixedPrecisionPolicy(param_dtype=params.amp_dtype if params.amp_enabled else None,
-                                  reduce_dtype=torch.float32)
+    mesh = DeviceMesh.from_group(grid["dp"].group, device.type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -65,44 +144,25 @@ def shard_fully(model, device, params):
         if name in marks:
             param.is_shared_mp, param.mark_for_reduction = marks[name]
     held = sum(param.to_local().numel() for param in model.parameters())
-    logging.info(f"FSDP over dp={comm.get_size('dp')}: this rank holds {held:,} of its "
+    logging.info(f"FSDP over dp={grid.size('dp')}: this rank holds {held:,} of its "
                  f"{sum(param.numel() for param in model.parameters()):,} parameters")
-    global _step_hook
-    if _step_hook is None:  # once per process
-        _step_hook = register_optimizer_step_pre_hook(sum_marked_gradient_shards)
+    if "handle" in _step_hook:  # one hook a process (it acts on every optimizer), for this grid's groups
+        _step_hook.pop("handle").remove()
+    _step_hook["handle"] = register_optimizer_step_pre_hook(functools.partial(sum_marked_gradient_shards, grid))
     return model
 
 
 @torch.no_grad()
-def sum_marked_gradient_shards(optimizer, args, kwargs):
+def sum_marked_gradient_shards(grid, optimizer, args, kwargs):
     """Optimizer step pre-hook (every optimizer of the process; it acts on FSDP's sharded parameters only): the
     sums over "cp" and "tp" of the marked gradients, and the averages of the copies of shared weights, that DDP's
-    comm hook does (mappings.reduce_marked_gradients), here on each rank's gradient shard. The copies of a shared
-    weight are sharded alike over dp on every rank of the group they are shared over (same shapes, same dp size),
-    so summing the shards sums the whole gradients. The sums are linear, so they commute with loss scaling
+    comm hook does (data_parallel.reduce_marked_gradients), here on each rank's gradient shard. The copies of a
+    shared weight are sharded alike over dp on every rank of the group they are shared over (same shapes, same dp
+    size), so summing the shards sums the whole gradients. The sums are linear, so they commute with loss scaling
     (GradScaler unscales before step(), the fused Adam inside it)."""
     if not SUM_GRADIENT_SHARDS:
         return
     sharded = [(p, p.grad.to_local()) for group in optimizer.param_groups for p in group["params"]
                if p.grad is not None and hasattr(p, "is_shared_mp") and isinstance(p, DTensor)]
     if sharded:
-        reduce_marked_gradients(*zip(*sharded))
-
-
-def parallelize(model, layout, args, device, params):
-    """The model with activation checkpointing (if the layout asks for it), then wrapped for data parallelism (if
-    distributed and not --noddp): DDP, or FSDP when the layout asks for it (in place, the same module). The
-    unwrapped model stays what checkpoints hold; build the optimizer on it after this call."""
-    layout.check(noddp=args.noddp, channels_last=bool(params.get("enable_nhwc")))  # what FSDP cannot combine with
-    if layout.checkpointing:
-        checkpoint_blocks(model.blocks)
-    if layout.fsdp and comm.get_world_size() == 1:
-        logging.info("--fsdp on one rank: nothing to shard, the model stays whole")
-    if comm.get_world_size() > 1 and layout.fsdp:
-        return shard_fully(model, device, params)
-    if comm.get_world_size() > 1 and not args.noddp:
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = init_ddp_model_and_reduction_hooks(model, device_ids, device_ids, bucket_cap_mb=args.bucket_cap_mb,
-                                                   broadcast_buffers=not args.disable_broadcast_buffers,
-                                                   gradient_as_bucket_view=args.disable_broadcast_buffers)
-    return model
+        reduce_marked_gradients(grid, *zip(*sharded))

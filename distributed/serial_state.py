@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from distributed.helpers import gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
 from lifecycle.checkpoint import load_model_state
-from utils import comm
 
 
 def _owner(model, name):
@@ -40,11 +39,11 @@ def to_serial(model, name, tensor):
     if not isinstance(module, DistributedMatmul):
         return tensor.cpu()
     if attr == "weight":
-        tensor = gather(tensor, 0, None, module.comm_out_name) if comm.get_size(module.comm_out_name) > 1 else tensor
-        tensor = gather(tensor, 1, None, module.comm_inp_name) if comm.get_size(module.comm_inp_name) > 1 else tensor
+        tensor = gather(tensor, 0, None, module.out) if module.out.size > 1 else tensor
+        tensor = gather(tensor, 1, None, module.inp) if module.inp.size > 1 else tensor
         return tensor.cpu()
-    if comm.get_size(module.comm_out_name) > 1:
-        tensor = gather(tensor, 2, None, module.comm_out_name)
+    if module.out.size > 1:
+        tensor = gather(tensor, 2, None, module.out)
     return tensor.reshape(-1).cpu()
 
 
@@ -53,8 +52,8 @@ def from_serial(model, name, tensor):
     under FSDP)."""
     module, attr = _owner(model, name)
     if isinstance(module, DistributedMatmul):
-        tensor = module.shard(tensor, 0, module.comm_out_name)
-        tensor = module.shard(tensor, 1, module.comm_inp_name) if attr == "weight" else tensor.reshape(1, 1, -1)
+        tensor = module.shard(tensor, 0, module.out)
+        tensor = module.shard(tensor, 1, module.inp) if attr == "weight" else tensor.reshape(1, 1, -1)
     like = getattr(module, attr)
     if isinstance(like, DTensor):
         tensor = distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements)

@@ -3,8 +3,8 @@ from utils.errors import UserError
 
 
 def get_model(params, layout=None):
-    """Build the network named by `params.model` (default 'vit'); the ViT is split as `layout` says (default: this
-    run's, utils/layout.py)."""
+    """Build the network named by `params.model` (default 'vit'), serial: a layout's split is the recipe's
+    (distributed/parallelize.py); with `layout`, a ViT that could not be split that way is refused in one line."""
     name = params.get("model", "vit")
     if name == "vit":
         from networks.vit import ViT

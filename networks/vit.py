@@ -3,20 +3,20 @@
 Shapes follow the NERSC tutorial's ViT: no class token, learned position embedding, separate
 q/k/v projections, fused scaled-dot-product attention, MLP ratio 4 (MLP_RATIO), head back to patches.
 
-With tensor (tp) or context (cp) parallelism (process groups "tp", "cp" of utils.comm larger than one rank)
-each block's attention, MLP and norms are the distributed layers of distributed/layers.py, holding this rank's
-shard of the weights the serial model gets from the same seed; the token sequence is split over cp after the
-position embedding and gathered again before the head.
+The constructor builds the serial model. Tensor (tp) and context (cp) parallelism are applied afterwards by the
+recipe (distributed/parallelize.py): it swaps each block's attention, MLP and norms for the distributed layers of
+distributed/layers.py, holding this rank's shard of the serial weights, and hands the model its cp and tp groups
+(`cp`, `tp`: Axes of the run's grid, size 1 here) with the split shapes: the forward pass splits the token sequence
+over cp after the position embedding and gathers it again before the head, no-ops on groups of one.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed.helpers import compute_split_shapes, mark_shared
-from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP, cast_once_for_autocast
+from distributed.layers import cast_once_for_autocast
 from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
-from utils import comm
 from utils.errors import UserError
+from utils.layout import Axis, Layout
 
 MLP_RATIO = 4.0  # each block's MLP hidden width over embed_dim (the tutorial's ViT); a config may set mlp_ratio
 
@@ -104,8 +104,7 @@ class PatchEmbed(nn.Module):
 
 class VisionTransformer(nn.Module):
     def __init__(self, img_size, patch_size, in_chans, out_chans, embed_dim, depth, num_heads,
-                 mlp_ratio=MLP_RATIO, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0,
-                 sequence_parallel=False):
+                 mlp_ratio=MLP_RATIO, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
@@ -124,36 +123,17 @@ class VisionTransformer(nn.Module):
 
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         self.apply(self._init_weights)
-        self.cp_shapes = compute_split_shapes(self.h * self.w, comm.get_size("cp"))
-        # sequence parallelism: between the blocks this rank's cp chunk of tokens is split again over tp
-        self.sequence_shapes = None
-        if sequence_parallel and comm.get_size("tp") > 1:
-            self.sequence_shapes = compute_split_shapes(self.cp_shapes[comm.get_rank("cp")], comm.get_size("tp"))
-        if comm.get_size("tp") > 1 or comm.get_size("cp") > 1:
-            self._distribute(num_heads)
+        # serial: groups of one; the recipe (distributed/parallelize.split_tokens_and_weights) sets the run's
+        self.cp, self.tp = Axis("cp"), Axis("tp")
+        self.cp_shapes = [self.h * self.w]  # tokens per cp rank
+        self.sequence_shapes = None  # sequence parallelism: tokens per tp rank of this cp rank's chunk
 
-    def _distribute(self, num_heads):
-        """Swap each block's attention, MLP and norms for their tp/cp versions, loaded with this rank's shard of
-        the serial weights just initialised: the model equals the serial one built with the same seed."""
-        with torch.random.fork_rng(devices=[]):  # the distributed layers' own initialisation must not move the RNG
-            for block in self.blocks:
-                dim, hidden = block.norm1.normalized_shape[0], block.mlp.fc1.out_features
-                sequence, split_tokens = {"sequence_shapes": self.sequence_shapes}, bool(self.sequence_shapes)
-                replacements = {
-                    "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps, sequence_parallel=split_tokens),
-                    "attn": DistributedAttention(dim, cp_shapes=self.cp_shapes, num_heads=num_heads, qkv_bias=True,
-                                                 attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p,
-                                                 **sequence),
-                    "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps, sequence_parallel=split_tokens),
-                    "mlp": DistributedMLP(dim, hidden, drop=block.mlp.drop.p, **sequence),
-                }
-                for name, layer in replacements.items():
-                    layer.load_serial(getattr(block, name))
-                    setattr(block, name, layer)
-        # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
-        # (upstream left them unreduced and the copies drifted apart)
-        for param in self.norm.parameters():
-            mark_shared(param, ["tp-cp"], ["cp"])
+    def layout_facts(self):
+        """What the layout's rules need to know of this ViT (utils/layout.py): heads and MLP width split over tp,
+        tokens over cp, and dropout (refused with cp or sequence parallelism)."""
+        block = self.blocks[0]
+        return {"num_heads": block.attn.num_heads, "mlp_hidden": block.mlp.fc1.out_features,
+                "tokens": self.h * self.w, "dropout": self.pos_drop.p}
 
     @staticmethod
     def _init_weights(module):
@@ -168,14 +148,14 @@ class VisionTransformer(nn.Module):
     def forward(self, x):
         B = x.shape[0]
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
-        x = scatter_to_parallel_region(x, 1, "cp")  # context parallel: this rank's tokens
+        x = scatter_to_parallel_region(x, 1, self.cp)  # context parallel: this rank's tokens
         if self.sequence_shapes:  # sequence parallel: this tp rank's part of them, between the blocks
-            x = scatter_to_parallel_region(x, 1, "tp")
+            x = scatter_to_parallel_region(x, 1, self.tp)
         for block in self.blocks:
             x = block(x)
         if self.sequence_shapes:
-            x = gather_from_parallel_region(x, 1, self.sequence_shapes, "tp")
-        x = gather_from_parallel_region(self.norm(x), 1, self.cp_shapes, "cp")
+            x = gather_from_parallel_region(x, 1, self.sequence_shapes, self.tp)
+        x = gather_from_parallel_region(self.norm(x), 1, self.cp_shapes, self.cp)
         x = self.head(x)  # (B, N, p*p*C), channel fastest
         p = self.patch_size
         x = x.view(B, self.h, self.w, p, p, self.out_chans).permute(0, 5, 1, 3, 2, 4)
@@ -195,9 +175,9 @@ def layout_facts(params):
             "tokens": (img_h // params.patch_size) * (img_w // params.patch_size), "dropout": params.dropout}
 
 
-def check_vit_params(params, layout):
-    """Refuse shapes the ViT cannot take, or cannot split as `layout` asks, with a sentence that says which numbers
-    to change."""
+def check_vit_params(params, layout=None):
+    """Refuse shapes the ViT cannot take, or cannot split as `layout` asks (if given), with a sentence that says
+    which numbers to change."""
     img_h, img_w = params.img_size
     if img_h % params.patch_size or img_w % params.patch_size:
         raise UserError(f"img_size {list(params.img_size)} is not divisible by patch_size "
@@ -205,17 +185,16 @@ def check_vit_params(params, layout):
     if params.embed_dim % params.num_heads:
         raise UserError(f"embed_dim {params.embed_dim} is not divisible by num_heads "
                         f"{params.num_heads}; choose num_heads that divides embed_dim")
-    layout.check(**layout_facts(params))
+    (layout or Layout()).check(**layout_facts(params))
 
 
 def ViT(params, layout=None):
-    """The ViT described by a config (img_size, patch_size, embed_dim, depth, num_heads, ...), split as `layout` says
-    (default: this run's, comm.get_layout())."""
-    layout = layout or comm.get_layout()
+    """The serial ViT described by a config (img_size, patch_size, embed_dim, depth, num_heads, ...); with `layout`,
+    refused in one line if it could not be split that way (the recipe, distributed/parallelize.py, splits it)."""
     check_vit_params(params, layout)
     dropout = float(params.dropout)
     return VisionTransformer(img_size=params.img_size, patch_size=params.patch_size,
                              in_chans=params.n_in_channels, out_chans=params.n_out_channels,
                              embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
                              mlp_ratio=params.get("mlp_ratio", MLP_RATIO), drop_rate=dropout, attn_drop_rate=dropout,
-                             drop_path_rate=dropout, sequence_parallel=layout.sequence_parallel)
+                             drop_path_rate=dropout)

@@ -1,6 +1,6 @@
 """One rank of an N-rank layout on the one device at hand: `train_mp.py --dry_run N [--dry_run_rank R]`.
 
-train_mp.py builds the layout its flags give as rank R of N (utils/comm.join_dry_run: torch's fake process group
+train_mp.py builds the layout its flags give as rank R of N (join: torch's fake process group
 stands in for the other N - 1 ranks, its collectives return at once and move no data), builds and wraps the model
 exactly as a real rank does, and hands the step to `report`, which runs a few steps on one batch and measures what
 this rank holds: its parameters, gradients and optimizer state, the activations autograd saves in one forward
@@ -14,6 +14,7 @@ The last line printed is one JSON object; dry_run_in_own_process runs one and re
 benchmarks/bench_dry_run.py).
 """
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -21,13 +22,16 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from lifecycle.run import finish_run
 from loop.benchy import model_memory
 from loop.reporting import set_train_mode
 from planning import perf_model
 from utils import comm
-from utils.errors import error_line
+from utils.compat import join_fake_process_group
+from utils.errors import UserError, error_line, register_cleanup
+from utils.layout import dry_run_refusal
 
 TIMED_STEPS = 3  # after one warm-up step (it allocates the gradients and Adam's moments)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +41,28 @@ GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB"
 def gpu_system(name):
     """The performance model's system of a GPU named `name` (torch.cuda.get_device_name), or None (unknown)."""
     return next((system for key, system in GPU_SYSTEMS.items() if key in name), None)
+
+
+def join(layout, rank):
+    """Join, as rank `rank` of the Layout `layout` (train_mp.py --dry_run), a process group of torch's fake backend
+    (utils/compat.py: its collectives return at once and move no data), alone; comm.init then builds the grid's
+    groups on it: every kernel this rank runs is real and every tensor it holds has its real shape; the values that
+    cross ranks are meaningless."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or dist.is_initialized():
+        raise UserError("--dry_run runs one process standing for the whole layout; start it with python, not "
+                        "torchrun or srun with several tasks")
+    too_large = dry_run_refusal(layout.world_size)
+    if too_large:
+        raise UserError(f"--dry_run {too_large}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
+                        f"{layout.world_size - 1}")
+    logging.info(f"Dry run: rank {rank} of {layout.world_size} ({layout.describe()}) in this one process; the "
+                 "other ranks are stand-ins whose collectives move no data, so the numbers it computes are "
+                 "meaningless: no checkpoint, no TensorBoard, no check for nan; memory is this rank's, time is "
+                 "compute only")
+    join_fake_process_group(rank, layout.world_size)
+    register_cleanup(comm.destroy)  # a refusal after this point leaves no process group behind (a finished run: no-op)
 
 
 def system_of(device):

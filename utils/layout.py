@@ -17,6 +17,11 @@ from utils.errors import UserError
 from utils.rank_generator import RankGenerator
 
 DEFAULT_ORDER = "tp-cp-dp"
+# A dry run (planning/dry_run.py) builds every process group of its world in this one process (comm._build_groups:
+# about 0.1 ms and 0.3 KB a rank on a CPU core; 2^17 ranks take about 10 s, 10^8 ranks would take hours and over
+# 20 GB): 2^17 = 131072 ranks, above the largest GPU jobs run today (about 100,000 GPUs), is as many as it stands in
+# for.
+DRY_RUN_MAX_RANKS = 2 ** 17
 RULES = []  # (facts needed, rule) in the order they are checked; a rule returns the refusal's line or None
 
 
@@ -26,6 +31,49 @@ def rule(*facts):
         RULES.append((facts, function))
         return function
     return register
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One named group of the grid ("tp", "cp", "dp", "tp-cp", "dp-cp"): its size and this rank's place in it, from
+    the layout's numbers, and its process group (None: not distributed, size 1)."""
+    name: str
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    def __deepcopy__(self, memo):
+        return self  # a process group is a handle to share, not state: a deep copy of a model keeps its groups
+
+
+GROUP_SIZES = {"tp": lambda layout: layout.tp, "cp": lambda layout: layout.cp, "dp": lambda layout: layout.dp,
+               "tp-cp": lambda layout: layout.tp * layout.cp, "dp-cp": lambda layout: layout.dp * layout.cp}
+
+
+class Grid:
+    """The run's grid, handed down from comm.init to whatever splits the model (distributed/parallelize.py): the
+    layout, and each named group as an Axis. A name the grid does not hold is a group of one (size 1, rank 0), so
+    code written for tp and cp also runs serially."""
+
+    def __init__(self, layout=None, axes=None):
+        self.layout = layout or Layout()
+        self.axes = dict(axes or {})
+
+    def __getitem__(self, name):
+        return self.axes.get(name) or Axis(name)
+
+    def size(self, name):
+        return self[name].size
+
+    def rank(self, name):
+        return self[name].rank
+
+    def split(self):
+        """Names of the groups larger than one rank other than "dp" (over which the model itself is split)."""
+        return [name for name, axis in self.axes.items() if name != "dp" and axis.size > 1]
+
+    def describe(self):
+        return self.layout.describe()
 
 
 @dataclass(frozen=True)
@@ -102,6 +150,15 @@ class Layout:
 
     def describe(self):
         return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}, PP = 1"
+
+
+def dry_run_refusal(world_size):
+    """Why a dry run of `world_size` ranks cannot run (one line without the flag's name), or None."""
+    if world_size > DRY_RUN_MAX_RANKS:
+        return (f"{world_size} ranks is more than a dry run stands in for: it builds every process group of the "
+                f"layout in this one process (about 0.1 ms a rank), so it takes at most {DRY_RUN_MAX_RANKS} ranks "
+                "(2^17, more than the largest GPU jobs); give a smaller N")
+    return None
 
 
 # --- the rules, each a line saying what to change ---------------------------------------------------------------

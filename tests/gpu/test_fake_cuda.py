@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, UnsupportedOperatorException
 
-from distributed.helpers import init_params_for_shared_weights
 from distributed.layers import DistributedMatmul
+from distributed.parallelize import split_tokens_and_weights
 from lifecycle.cli import apply_overrides, training_parser
 from loaders.images import sample_shape as image_sample_shape
 from loop.reporting import EpochMeter, set_train_mode, validate
@@ -90,15 +90,16 @@ def cpu_batch(params):
     return torch.randn(batch, *inp_shape), tar
 
 
-def build_model(params):
-    """train.py's model: seeded, built on the CPU, channels_last when enable_nhwc; train_mp.py's shared weights."""
+def build_model(params, grid=None):
+    """train.py's model: seeded, built on the CPU, channels_last when enable_nhwc; split over tp and cp as train_mp.py's
+    recipe splits it on `grid` (comm.init's)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params.seed)
         model = get_model(params)
     if params.enable_nhwc:
         model = model.to(memory_format=memory_format_of(params))
-    if comm.get_size("tp-cp") > 1:
-        init_params_for_shared_weights(model)
+    if grid is not None and grid.layout.model_parallel > 1:
+        split_tokens_and_weights(model, grid)
     return model
 
 
@@ -347,7 +348,7 @@ def tp_cp_grid(request):
 
     dist.init_process_group("fake", store=FakeStore(), rank=getattr(request, "param", 0), world_size=4)
     try:
-        comm.init({"tp": 2, "cp": 2, "order": "tp-cp-dp"})
+        grid = comm.init({"tp": 2, "cp": 2, "order": "tp-cp-dp"})
         assert [comm.get_size(name) for name in ("tp", "cp", "dp", "tp-cp")] == [2, 2, 1, 4]
         try:
             with FakeTensorMode():
@@ -355,7 +356,7 @@ def tp_cp_grid(request):
         except UnsupportedOperatorException as err:
             pytest.skip(f"torch {torch.__version__}: FakeTensorMode has no kernel for the c10d collectives on fake "
                         f"tensors ({err}), so tp x cp layers cannot run on fake cuda tensors")
-        yield
+        yield grid
     finally:
         comm.destroy()  # also forgets the grid
 
@@ -387,7 +388,7 @@ def test_tp_cp_vit_step_runs_on_fake_cuda_tensors_only(tp_cp_grid, monkeypatch, 
     """A failure with a device mismatch: a CPU tensor in distributed/ (layers, mappings, helpers' collectives)."""
     params = load_tp_cp_params(amp_mode)
     collectives = record_collectives(monkeypatch)
-    check_step(fake_cuda_step(params, build_model(params), monkeypatch), params, tp_cp=True)
+    check_step(fake_cuda_step(params, build_model(params, tp_cp_grid), monkeypatch), params, tp_cp=True)
     # tp's all-reduces and cp's all-gathers (keys, values, the final tokens) ran, on fake cuda tensors
     assert {name for name, _ in collectives} == {"all_reduce", "all_gather"}
     assert all(fake for _, fake in collectives)
@@ -398,7 +399,7 @@ def test_tp_cp_vit_step_with_an_uneven_sequence_split_runs_on_fake_cuda_tensors_
     """5 x 9 = 45 patches over cp = 2: rank 3 (tp 1, cp 1) holds 22 tokens and pads them to 23 for each all-gather
     (distributed/helpers.py, _padded_all_gather)."""
     params = load_tp_cp_params("bf16", img_size=[20, 36])
-    model = build_model(params)
+    model = build_model(params, tp_cp_grid)
     assert comm.get_rank("cp") == 1 and model.cp_shapes == [23, 22]
     check_step(fake_cuda_step(params, model, monkeypatch), params, tp_cp=True)
 
@@ -410,4 +411,4 @@ def test_a_cpu_tensor_in_a_tp_cp_layer_fails_the_check(tp_cp_grid, monkeypatch):
         add_cpu_tensor(model.blocks[0].attn.proj, kept=True)
 
     with pytest.raises(RuntimeError, match=DEVICE_MISMATCH):
-        fake_cuda_step(params, build_model(params), monkeypatch, change_model=change)
+        fake_cuda_step(params, build_model(params, tp_cp_grid), monkeypatch, change_model=change)

@@ -5,7 +5,7 @@
 - fp16 with tensor parallelism: one rank's gradient shard overflowing must skip the step on every rank of the
   model-parallel group, with one loss scale (distributed/grad_scaler.py).
 - Copies of replicated weights (over tp) whose gradients round differently on each rank (atomics, cuDNN algorithms
-  autotuned per rank) must stay bitwise equal (distributed/mappings._reduce_marked_gradients).
+  autotuned per rank) must stay bitwise equal (distributed/data_parallel._reduce_marked_gradients).
 - Two ranks of a node on one GPU, a GPU node whose GPUs PyTorch cannot use, TF32 forced by the container: one line
   each, or the right peak (utils/comm.py, loop/flops.py).
 - A tensor learning rate stays the tensor a CUDA graph was captured with, whatever the torch version's schedules
@@ -75,14 +75,15 @@ def _tp2_rank(rank, world, port, found):
     (2) training steps in which rank 1's gradient of the replicated patch embedding rounds differently, with the
     comm hook's averaging and without it (the weight no longer marked as shared)."""
     as_spawned_rank(rank, world, port)
+    from distributed.data_parallel import init_ddp_model_and_reduction_hooks
     from distributed.grad_scaler import ModelParallelGradScaler
-    from distributed.helpers import init_params_for_shared_weights, mark_shared
-    from distributed.mappings import init_ddp_model_and_reduction_hooks
+    from distributed.helpers import mark_shared
+    from distributed.parallelize import split_tokens_and_weights
     from networks import get_model
     from task.loss import get_loss
     from utils.YParams import YParams
     torch.set_num_threads(1)
-    comm.init({"tp": 2}, rendezvous_timeout=60)
+    grid = comm.init({"tp": 2}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")
     loss_fn = get_loss(params)
     generator = torch.Generator().manual_seed(1)
@@ -90,11 +91,10 @@ def _tp2_rank(rank, world, port, found):
 
     def build(shared_embedding=True):
         torch.manual_seed(params.seed)
-        model = get_model(params)
-        init_params_for_shared_weights(model)
+        model = split_tokens_and_weights(get_model(params), grid)
         if not shared_embedding:
             mark_shared(model.patch_embed.proj.weight, [])  # as if each rank held its own
-        return model, init_ddp_model_and_reduction_hooks(model, None, None)
+        return model, init_ddp_model_and_reduction_hooks(model, grid, torch.device("cpu"))
 
     out = {}
     for label, scaler_class in (("group", ModelParallelGradScaler), ("torch", torch.amp.GradScaler)):

@@ -118,10 +118,12 @@ def test_init_on_one_process_gives_sizes_1_and_refuses_tp2(monkeypatch):
     """Without WORLD_SIZE every size is 1 and every rank 0; tp=2 on one process is refused before anything
     starts. A failure: init no longer works for a single process (train.py on a laptop)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert comm.init({"tp": 1, "cp": 1, "order": "cp-tp-dp"}, rendezvous_timeout=5) == (1, 0, 0)
-    assert comm.get_layout() == Layout(order="cp-tp-dp")
+    grid = comm.init({"tp": 1, "cp": 1, "order": "cp-tp-dp"}, rendezvous_timeout=5)
+    assert (comm.get_world_size(), comm.get_world_rank(), comm.get_local_rank()) == (1, 0, 0)
+    assert grid.layout == Layout(order="cp-tp-dp")
     assert [comm.get_size(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [1] * 7
     assert [comm.get_rank(n) for n in GROUP_TYPES + ("tp-cp-pp", None)] == [0] * 7
+    assert [(grid.size(n), grid.rank(n)) for n in GROUP_TYPES + ("tp-cp-pp",)] == [(1, 0)] * 6
     with pytest.raises(UserError, match="does not divide the world size 1"):
         comm.init({"tp": 2}, rendezvous_timeout=5)
     with pytest.raises(UserError, match="order 'tp-ep' names 'ep'"):
@@ -141,11 +143,14 @@ def _report_groups(rank, port, results):
     from utils import comm
     report = {}
     for order in ORDERS:  # the second init rebuilds the groups on the same process group
-        comm.init({"tp": 2, "cp": 2, "order": order}, rendezvous_timeout=30)
-        members = {name: dist.get_process_group_ranks(comm.get_group(name)) for name in GROUP_TYPES}
+        grid = comm.init({"tp": 2, "cp": 2, "order": order}, rendezvous_timeout=30)
+        members = {name: dist.get_process_group_ranks(grid[name].group) for name in GROUP_TYPES}
         positions = {name: (comm.get_size(name), comm.get_rank(name)) for name in GROUP_TYPES}
+        handed = {name: (grid.size(name), grid.rank(name)) for name in GROUP_TYPES}
+        held = {name: (dist.get_world_size(grid[name].group), dist.get_rank(grid[name].group)) for name in GROUP_TYPES}
+        assert positions == handed == held, (positions, handed, held)  # one source: the layout's numbers, checked
         tp_sum = comm.all_reduce_sum(torch.tensor([float(rank)]), "tp").item()
-        report[order] = (members, positions, tp_sum, comm.get_layout())
+        report[order] = (members, positions, tp_sum, grid.layout)
     results[rank] = report
     comm.destroy()
 

@@ -72,11 +72,11 @@ def test_twin_on_torch_2_5_asking_for_autocast_breaks_the_graph_at_every_attenti
 def _compiled_against_eager(rank, world, port, layout, results):
     as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from distributed.helpers import init_params_for_shared_weights
+    from distributed.parallelize import split_tokens_and_weights
     from utils import comm
-    comm.init(layout, rendezvous_timeout=60)
+    grid = comm.init(layout, rendezvous_timeout=60)
     params, model, x = tiny_vit_and_batch()
-    init_params_for_shared_weights(model)
+    split_tokens_and_weights(model, grid)
     out = {"sizes": [comm.get_size(name) for name in layout]}
     for label, run in (("eager", model), ("compiled", torch.compile(model, backend="aot_eager"))):
         model.zero_grad()

@@ -1,5 +1,5 @@
 """train_mp.py --dry_run N (planning/dry_run.py): one rank of an N-rank layout in one process, torch's fake process
-group standing in for the other ranks (utils/comm.join_dry_run).
+group standing in for the other ranks (planning/dry_run.join).
 
 - Its memory is a real rank's: for tp2, cp2, tp2 x cp2 with sequence parallelism and checkpointing, and cp2 x dp2
   with FSDP, the dry runs of rank 0 and rank 1 report exactly the bytes of parameters, gradients, optimizer state
@@ -9,7 +9,7 @@ group standing in for the other ranks (utils/comm.join_dry_run).
   nothing, and what cannot run is one line (exit 2), as train_mp.py refuses it.
 - It scales: rank 0 of the `mp` shape on 16 ranks (tp4 x cp4, local batch 1) runs on the CPU, and holds the bytes the
   performance model predicts.
-A failure points to planning/dry_run.py, utils/comm.join_dry_run, or to a layer whose tensors depend on values
+A failure points to planning/dry_run.py (join), or to a layer whose tensors depend on values
 that the stand-in ranks do not send.
 """
 import json
@@ -113,14 +113,13 @@ def test_a_world_too_large_to_stand_in_for_is_refused_before_anything_is_built(c
     """`--dry_run 100000000` (a 10^8-rank world): one line and exit 2 before a process group is joined. Before, the
     process built every group of the world and grew until the kernel killed it (22 GB, 127 s, no message); here that
     twin fails at once instead of filling the memory, since joining the fake group is refused. Called without the
-    flag (comm.init of a Layout), the same bound holds; 2^17 ranks pass the flag's check."""
-    from utils import comm
-    from utils.layout import Layout
+    flag (dry_run.join of a Layout), the same bound holds; 2^17 ranks pass the flag's check."""
+    from utils.layout import DRY_RUN_MAX_RANKS, Layout
 
     def built(*args):
         raise AssertionError("the dry run joined a process group for a world it cannot hold")
 
-    monkeypatch.setattr(comm, "join_fake_process_group", built)
+    monkeypatch.setattr(dry_run, "join_fake_process_group", built)
     with pytest.raises(SystemExit) as stop:
         train_mp.main([*COMMON, "--dry_run", "100000000"])
     assert stop.value.code == 2
@@ -130,18 +129,17 @@ def test_a_world_too_large_to_stand_in_for_is_refused_before_anything_is_built(c
                                 "so it takes at most 131072 ranks (2^17, more than the largest GPU jobs); give a "
                                 "smaller N (see --help)"], err
     with pytest.raises(UserError, match=r"^--dry_run 131073 ranks is more than a dry run stands in for"):
-        comm.init(Layout(dp=comm.DRY_RUN_MAX_RANKS + 1), dry_run_rank=0)
+        dry_run.join(Layout(dp=DRY_RUN_MAX_RANKS + 1), 0)
     from lifecycle.cli import ranks
-    assert ranks(str(comm.DRY_RUN_MAX_RANKS)) == comm.DRY_RUN_MAX_RANKS == 2 ** 17
+    assert ranks(str(DRY_RUN_MAX_RANKS)) == DRY_RUN_MAX_RANKS == 2 ** 17
 
 
 @pytest.mark.compat
 def test_a_dry_run_under_a_launcher_is_refused(monkeypatch):
-    from utils import comm
     from utils.layout import Layout
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="start it with python, not torchrun"):
-        comm.init(Layout(tp=2), dry_run_rank=0)
+        dry_run.join(Layout(tp=2), 0)
 
 
 @pytest.mark.compat

@@ -45,14 +45,16 @@ def test_what_fsdp_does_not_combine_with_is_one_line(noddp, nhwc, message):
     """--noddp, and channels_last (FSDP2 refuses non-contiguous parameters with a traceback)."""
     from types import SimpleNamespace
 
-    from distributed.parallelize import parallelize
+    from distributed.parallelize import Options, parallelize
+    from utils.layout import Grid, Layout
     from utils.YParams import YParams
     params = YParams("config/ViT.yaml", "tiny")
     params.update({"enable_nhwc": nhwc})
-    from utils.layout import Layout
-    args = SimpleNamespace(noddp=noddp)
+    params.update({"amp_enabled": False, "amp_dtype": torch.float32})  # what lifecycle/cli.py sets from the flags
+    args = SimpleNamespace(noddp=noddp, bucket_cap_mb=25, disable_broadcast_buffers=False)
     with pytest.raises(UserError, match=message):
-        parallelize(torch.nn.Linear(2, 2), Layout(fsdp=True), args, torch.device("cpu"), params)
+        parallelize(torch.nn.Linear(2, 2), Grid(Layout(fsdp=True)), torch.device("cpu"),
+                    Options.from_flags(args, params))
 
 
 def _sharded_rank(rank, world, port, found):
@@ -64,7 +66,7 @@ def _sharded_rank(rank, world, port, found):
     from networks import get_model
     from utils import comm
     from utils.YParams import YParams
-    comm.init({"tp": 1, "cp": 1}, rendezvous_timeout=60)
+    grid = comm.init({"tp": 1, "cp": 1}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")
     inp = torch.randn(2, params.n_in_channels, *params.img_size, generator=torch.Generator().manual_seed(1))
     out = {}
@@ -77,7 +79,8 @@ def _sharded_rank(rank, world, port, found):
     for amp in ("bf16", "none"):
         params.update({"amp_mode": amp, "amp_enabled": amp != "none", "amp_dtype": torch.bfloat16})
         torch.manual_seed(params.seed)
-        model = shard_fully(get_model(params), torch.device("cpu"), params)
+        model = shard_fully(get_model(params), grid, torch.device("cpu"),
+                            params.amp_dtype if params.amp_enabled else None)
         seen = []  # the weight a block's first MLP layer computes with
         model.blocks[0].mlp.fc1.register_forward_pre_hook(lambda module, _, seen=seen: seen.append(module.weight.dtype))
         optimizer = torch.optim.Adam(model.parameters())

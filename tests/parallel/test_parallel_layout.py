@@ -4,7 +4,6 @@ it. Each rule is shown refusing a layout in one line, with its facts; the twin r
 taken out of RULES and shows nothing else refuses it (so the rule is what refuses, not another check).
 A failure points to utils/layout.py, or to a caller that checks a rule of its own again.
 """
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,13 +88,15 @@ def test_the_vit_asks_the_layout(name, monkeypatch):
 def test_comm_parallelize_and_the_batch_split_ask_the_layout(monkeypatch):
     """comm.init refuses a grid that does not divide the world, parallelize what FSDP cannot combine with, the batch
     split a batch that does not divide over dp: each the layout's line."""
-    from distributed.parallelize import parallelize
+    from distributed.data_parallel import DDPOptions
+    from distributed.parallelize import Options, parallelize
+    from utils.layout import Grid
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(UserError, match=CASES["grid_divides_world"][2]):
         comm.init({"tp": 2, "cp": 2})
     with pytest.raises(UserError, match=CASES["fsdp_replaces_ddp"][2]):
-        parallelize(torch.nn.Linear(2, 2), Layout(fsdp=True), SimpleNamespace(noddp=True), torch.device("cpu"),
-                    _vit_params())
+        parallelize(torch.nn.Linear(2, 2), Grid(Layout(fsdp=True)), torch.device("cpu"),
+                    Options(ddp=DDPOptions(enabled=False)))
     params = YParams("config/ViT.yaml", "tiny")
     params.update({"global_batch_size": 8})
     with pytest.raises(UserError, match=CASES["batch_splits_over_dp"][2]):

@@ -169,12 +169,11 @@ def test_saved_activations_of_every_measured_layout(bench, config, half):
 def _count_collectives(rank, world, ports, layouts, found):
     """For each layout (grid, runs) in turn, on `world` ranks: each run (label, sequence parallel, checkpointing,
     fsdp) takes a warm-up step, then the bytes rank 0 hands to each collective in one step are kept by group name."""
-    from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from distributed.helpers import init_params_for_shared_weights
-    from distributed.parallelize import parallelize
+    from distributed.parallelize import Options, parallelize
+    from utils.layout import Grid
     torch.set_num_threads(1)
     counts, names = collections.Counter(), {}
 
@@ -198,7 +197,7 @@ def _count_collectives(rank, world, ports, layouts, found):
     inp = torch.randn(2, 20, 16, 32)
     for port, (grid, runs) in zip(ports, layouts):
         as_spawned_rank(rank, world, port, OMP_NUM_THREADS="1")
-        comm.init(grid, rendezvous_timeout=60)
+        joined = comm.init(grid, rendezvous_timeout=60)
         names.clear()
         for name in ("tp", "cp", "tp-cp", "dp"):
             if comm.get_size(name) > 1:
@@ -206,13 +205,13 @@ def _count_collectives(rank, world, ports, layouts, found):
         for label, sequence_parallel, checkpointing, fsdp, half in runs:
             params = vit_params("tiny")
             params.update({"amp_enabled": half, "amp_dtype": torch.bfloat16 if half else torch.float32})
-            layout = dataclasses.replace(comm.get_layout(), sequence_parallel=sequence_parallel,
+            layout = dataclasses.replace(joined.layout, sequence_parallel=sequence_parallel,
                                          checkpointing=checkpointing, fsdp=fsdp)
             torch.manual_seed(0)
             model = get_model(params, layout)
-            init_params_for_shared_weights(model)
-            args = SimpleNamespace(noddp=False, bucket_cap_mb=25, disable_broadcast_buffers=False)
-            model = parallelize(model, layout, args, torch.device("cpu"), params)
+            options = Options(param_dtype=params.amp_dtype if half else None,
+                              channels_last=bool(params.get("enable_nhwc")))
+            model = parallelize(model, Grid(layout, joined.axes), torch.device("cpu"), options)
             optimizer = torch.optim.Adam(model.parameters())
             for _ in range(2):  # a warm-up step, then the one counted
                 counts.clear()

@@ -112,7 +112,7 @@ def test_a_fix_missing_from_one_copy_fails():
 def test_lessons_that_touch_the_same_lines_are_refused():
     """Twin: a graph-lesson change on a line the model-parallel lesson also changes cannot be composed."""
     texts = read_scripts()
-    line = "    run = start_run(args, params, layout=f\"{comm.get_world_size()}GPU\")"
+    line = "    run = start_run(args, params, grid, layout=f\"{comm.get_world_size()}GPU\")"
     assert line in texts["train_graph.py"]
     texts["train_graph.py"] = texts["train_graph.py"].replace(line, line + "  # graph", 1)
     try:

@@ -202,19 +202,18 @@ def _load_and_train(rank, world, port, checkpoints, results):
     """tp=2 x cp=2: the loss of each checkpoint on a fixed batch, then 3 training steps and the equality of
     every copy of every shared weight over the groups it is shared in."""
     as_spawned_rank(rank, world, port)
-    from distributed.helpers import init_params_for_shared_weights
-    from distributed.mappings import init_ddp_model_and_reduction_hooks
+    from distributed.data_parallel import init_ddp_model_and_reduction_hooks
+    from distributed.parallelize import split_tokens_and_weights
     from distributed.serial_state import load_serial_state_dict
     from networks import get_model
     from task.loss import get_loss
     from utils import comm
     from utils.YParams import YParams
     torch.set_num_threads(1)
-    comm.init({"tp": 2, "cp": 2}, rendezvous_timeout=60)
+    grid = comm.init({"tp": 2, "cp": 2}, rendezvous_timeout=60)
     params = YParams("config/ViT.yaml", "tiny")
     torch.manual_seed(params.seed)
-    model = get_model(params)
-    init_params_for_shared_weights(model)
+    model = split_tokens_and_weights(get_model(params), grid)  # and the copies of shared weights made equal
     loss_fn = get_loss(params)
     generator = torch.Generator().manual_seed(1)
     inp, tar = torch.randn(2, 20, 16, 32, generator=generator), torch.randn(2, 20, 16, 32, generator=generator)
@@ -223,7 +222,7 @@ def _load_and_train(rank, world, port, checkpoints, results):
         load_serial_state_dict(model, torch.load(path, weights_only=False)["model"], path)
         with torch.no_grad():
             out[label] = loss_fn(model(inp), tar).item()
-    ddp = init_ddp_model_and_reduction_hooks(model, None, None)
+    ddp = init_ddp_model_and_reduction_hooks(model, grid, torch.device("cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(3):
         optimizer.zero_grad()
