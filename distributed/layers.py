@@ -5,7 +5,7 @@ row-parallel matmul after it a slice of the input features, and one all-reduce p
 Attention heads and the MLP's hidden width are split this way. Context parallelism (cp) splits the sequence:
 each rank keeps a chunk of the tokens, and attention gathers the keys and values of the whole sequence.
 Weights are then shared over cp ranks whose gradients each cover only their tokens: helpers.mark_shared names the
-groups over which those gradients are summed (`mark_for_reduction`, see mappings.init_ddp_model_and_reduction_hooks)
+groups over which those gradients are summed (`mark_for_reduction`, see data_parallel.reduce_marked_gradients)
 and the groups over which copies must stay equal (`is_shared_mp`, helpers.init_params_for_shared_weights).
 Sequence parallelism (`sequence_shapes`: tokens per tp rank) splits the tokens of each cp chunk over tp between
 the blocks as well: a column-parallel entry all-gathers them over tp (its backward reduce-scatters) instead of
