@@ -6,8 +6,8 @@ checkpointing across a restart, and FSDP (--fsdp) at tp=2 x dp=2 with sequence p
 checkpointing (from the tp=2 x cp=2 checkpoint, its own resumed in train.py). Twins: cp, sequence parallelism and
 FSDP without their gradient sums drift. tp = cp = 1 is train.py; checkpoints (serial layout) load at any layout and
 give the same loss on the same batch; every copy of a shared weight stays bitwise equal across ranks while
-training. A failure points to distributed/ (layers, mappings, serial_state, parallelize), networks/vit.py
-(_distribute, the cp scatter/gather) or train_mp.py.
+training. A failure points to distributed/ (layers, mappings, serial_state, parallelize: split_tokens_and_weights,
+data_parallel), networks/vit.py (the cp scatter/gather) or train_mp.py.
 """
 import os
 
