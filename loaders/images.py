@@ -1,5 +1,9 @@
 """Image-classification datasets: CIFAR-100 (torchvision's pickles) and ImageFolder (ImageNet layout).
 
+CIFAR-100's files are Python pickles, and a pickle can name any function to call while it loads. They are read
+here as data only (load_cifar_pickle): the unpickler accepts the few globals a CIFAR file holds (numpy's array
+reconstruction) and refuses any other in one line, whatever the md5s in the folder's manifest say.
+
 `image_loader` wraps them in the PyTorch loader every data set shares (loaders/common.py: a DataLoader over the
 resumable DistributedSampler).
 """
@@ -7,6 +11,7 @@ import json
 import os
 import pickle
 
+import numpy as np
 import torchvision
 from torchvision import datasets
 from torchvision import transforms as T
@@ -17,6 +22,10 @@ from utils import comm
 from utils.errors import UserError
 
 CIFAR100_FILES = ("train", "test", "meta")
+# the globals a CIFAR pickle names: numpy's reconstruction of an array (numpy 1's and numpy 2's module), its type and
+# dtype, and the codec Python 3 uses for bytes in protocol 2; anything else would be code run by loading the file
+CIFAR_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 CIFAR100_MANIFEST = "SAMPLE_DATA.json"  # md5 of each generated file: lets the loader accept (and verify) them
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -46,8 +55,35 @@ def cifar100_files_verified(folder):
                for name in CIFAR100_FILES)
 
 
+class _DataOnly(pickle.Unpickler):
+    """An unpickler that resolves only CIFAR_PICKLE_GLOBALS."""
+
+    def find_class(self, module, name):
+        if (module, name) in CIFAR_PICKLE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def load_cifar_pickle(path):
+    """What the CIFAR pickle at `path` holds, read as data (encoding latin1, as torchvision reads it); a file that
+    names any other global is refused in one line before anything it names is called."""
+    try:
+        with open(path, "rb") as f:
+            entry = _DataOnly(f, encoding="latin1").load()
+    except pickle.UnpicklingError as err:
+        raise UserError(f"CIFAR file '{path}' is not data: its pickle calls '{err}' as it loads (a CIFAR file holds "
+                        f"only numpy arrays, lists and strings), so it was not loaded; delete the folder and "
+                        f"{CIFAR100_HINT}") from None
+    if not isinstance(entry, dict):
+        raise UserError(f"CIFAR file '{path}' holds a {type(entry).__name__}, not a CIFAR dict; delete the folder and "
+                        f"{CIFAR100_HINT}")
+    return entry
+
+
 class CIFAR100Dataset(datasets.CIFAR100):
-    """torchvision's CIFAR100 that also accepts verified sample data, and reports bad files as UserErrors."""
+    """torchvision's CIFAR100 that also accepts verified sample data, reads every file as data only
+    (load_cifar_pickle, where torchvision's own loading would unpickle anything), and reports bad files as
+    UserErrors."""
 
     def __init__(self, root, train, transform=None):
         folder = os.path.join(root, self.base_folder)
@@ -57,24 +93,30 @@ class CIFAR100Dataset(datasets.CIFAR100):
                             f"matching its {CIFAR100_MANIFEST} (corrupted or edited?); delete the folder and "
                             f"{CIFAR100_HINT}")
         split_file = (self.train_list if train else self.test_list)[0][0]
-        _check_cifar_rows(os.path.join(folder, split_file))
-        super().__init__(root, train=train, transform=transform)
+        path = os.path.join(folder, split_file)
+        entry = load_cifar_pickle(path)
+        _check_cifar_rows(entry, path)
+        datasets.VisionDataset.__init__(self, root, transform=transform)  # CIFAR10.__init__ without its pickle.load
+        self.train = train
+        self.data = entry["data"].reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))  # HWC, as torchvision's
+        self.targets = list(entry["fine_labels"] if "fine_labels" in entry else entry["labels"])
+        self._load_meta()
 
     def _check_integrity(self):
         return cifar100_files_verified(os.path.join(self.root, self.base_folder))
 
     def _load_meta(self):
         # torchvision's version checks the official md5 only; _check_integrity has covered meta already
-        with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as f:
-            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        meta = load_cifar_pickle(os.path.join(self.root, self.base_folder, self.meta["filename"]))
+        self.classes = meta[self.meta["key"]]
         self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
 
 
-def _check_cifar_rows(path):
+def _check_cifar_rows(entry, path):
     """torchvision reshapes rows to 3x32x32 unchecked: another image size would give wrong images silently."""
-    with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="latin1")
-    data, labels = entry["data"], entry.get("fine_labels", entry.get("labels", []))
+    data, labels = entry.get("data"), entry.get("fine_labels", entry.get("labels", []))
+    if not isinstance(data, np.ndarray):
+        raise UserError(f"CIFAR file '{path}' has no data array; regenerate it")
     if data.ndim != 2 or data.shape[1] != CIFAR_IMAGE_VALUES:
         raise UserError(f"CIFAR file '{path}' has data of shape {tuple(data.shape)}: wrong image size, expected "
                         f"rows of {CIFAR_IMAGE_VALUES} values (3 x 32 x 32); regenerate it")
