@@ -115,11 +115,27 @@ class OutOfTime(Exception):
     """A part's deadline came before its next command could run."""
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the session (Ctrl-C, scancel): raised in the main thread wherever it waits, past the
+    parts' `except Exception`, so that the running command's processes are stopped and the report marked."""
+
+
+def interrupt_on_signals():
+    """SIGINT and SIGTERM raise Interrupted (once: a second signal during the clean-up is ignored)."""
+    def handler(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signal.Signals(signum).name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 class Session:
     def __init__(self, out, work, figures, ranks, gpus, mode, budget):
         self.out, self.work, self.figures = out, work, figures
         self.ranks, self.gpus, self.settings = ranks, gpus, MODES[mode]
         self.budget = budget
+        self.running = None  # the command running now, in words (what an interruption stops)
         self.start = time.monotonic()
         self.deadline = budget
         for folder in (out, work, figures, os.path.join(out, "logs"), os.path.join(out, "profiles")):
@@ -166,11 +182,16 @@ class Session:
             # stop, as at a time limit), then SIGKILL 15 s later, as `timeout --kill-after=15` does
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env(env), stdout=console,
                                        stderr=subprocess.STDOUT, start_new_session=True)
+            self.running = f"{name} ({shown})"
             try:
                 code = process.wait(timeout=seconds)
             except subprocess.TimeoutExpired:
                 code = None
                 stop_group(process)
+            except Interrupted:  # Ctrl-C reaches this process alone: its command runs in a session of its own
+                stop_group(process)
+                raise
+            self.running = None
         with open(path) as console:
             output = console.read()
         log(f"{name}: {'deadline' if code is None else f'exit {code}'} in {time.monotonic() - began:.1f} s")
@@ -491,7 +512,8 @@ def failure(s, data, found):
                          "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
             with open(path, "w") as console:
                 processes.append(subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=console,
-                                                  stderr=subprocess.STDOUT))
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+        s.running = f"failure_{mode} (2 ranks)"
         codes, last_exit = [], time.time()
         try:
             for process in processes:
@@ -499,9 +521,10 @@ def failure(s, data, found):
                 last_exit = time.time()
         except subprocess.TimeoutExpired:
             codes.append(None)
-        finally:
+        finally:  # each rank and whatever it started (its loader workers), also when interrupted
             for process in processes:
-                process.kill()
+                stop_group(process, grace_s=0)
+            s.running = None
         outputs = []
         for path in logs:
             with open(path) as f:
@@ -631,13 +654,33 @@ def main(argv=None):
               ("" if gpus else " --allow-cpu") + " (benchmarks/gpu_multi.py)",
               "machine": machine() + (f" x {gpus}" if gpus > 1 else ""), "gpus": gpus, "ranks": ranks,
               "backend": "nccl" if gpus else "gloo", **versions(), "date": time.strftime("%Y-%m-%d"),
-              "mode": mode, "budget_s": budget, "parts": {}}
+              "mode": mode, "budget_s": budget, "status": "running", "parts": {}}
     path = os.path.join(args.out, "multi_gpu.json")
+    write_json(path, report)  # at once: an earlier session's report never stands as this one's
     log(f"{report['machine']}; torch {report['torch']}; {ranks} ranks over {report['backend']}; parts: "
         f"{', '.join(parts)}; budget {budget:.0f} s")
+    interrupt_on_signals()
+    try:
+        return run_parts(s, args, parts, report, path)
+    except Interrupted as stop:  # the running command's processes are gone (Session.run, the failure part)
+        what = s.running or "no command"
+        report["status"] = "interrupted"
+        cut = report.get("cut")
+        if cut is not None:
+            report["parts"][cut].update(ok=False, status="interrupted", error=f"interrupted by {stop}")
+        write_json(path, report)
+        print(f"error: interrupted by {stop}: stopped {what} and every process it started"
+              + (f", in part {cut}" if cut else "") + f"; {path} marks the session \"interrupted\"",
+              file=sys.stderr, flush=True)
+        return 130
+
+
+def run_parts(s, args, parts, report, path):
+    """The sample data, NCCL's one-rank paths (GPUs), then each part in turn; the report written after each."""
+    gpus = s.gpus
     data, wait = prepare_data(s, args.tiny)
     if gpus:
-        s.deadline = min(60, budget)
+        s.deadline = min(60, s.budget)
         report["one_gpu_nccl"] = {}
         try:
             one_gpu_nccl(s, data, report["one_gpu_nccl"])
@@ -648,15 +691,17 @@ def main(argv=None):
             for name in parts:
                 report["parts"][name] = {"ok": False, "not_on_this_machine": "needs 2 GPUs or more; this node has 1"}
             report["seconds"] = round(s.elapsed(), 1)
+            report["status"] = "done"
             write_json(path, report)
             return 0 if report["one_gpu_nccl"]["ok"] else 1
     for name in parts:
-        s.deadline = ENDS[name] * budget
+        s.deadline = ENDS[name] * s.budget
         if name != "exactness" and data.get("dp") is None and wait is not None:
             data["dp"] = wait(s.deadline - s.elapsed() - 60)
             wait = None
         began = time.monotonic()
         found = report["parts"][name] = {}  # what a part measured stays when its deadline cuts it
+        report["cut"] = name  # the part an interruption would cut (dropped when it ends)
         try:
             if data.get("dp") is None and name in ("data_parallel", "dp_profile", "model_parallel"):
                 raise OutOfTime("the sample data at 360 x 720 was not written in time")
@@ -668,6 +713,7 @@ def main(argv=None):
             traceback.print_exc()
             found.update(ok=False, error=f"{type(err).__name__}: {err}")
         report["parts"][name]["seconds"] = round(time.monotonic() - began, 1)
+        report.pop("cut")
         done = report["parts"][name]
         log(f"{name}: {'ok' if done['ok'] else 'NOT OK ' + str(done.get('error', ''))} ({done['seconds']} s)")
         report["seconds"] = round(s.elapsed(), 1)
@@ -675,6 +721,8 @@ def main(argv=None):
     failed = [name for name in parts if not report["parts"][name]["ok"]]
     if "one_gpu_nccl" in report and not report["one_gpu_nccl"]["ok"]:
         failed.append("one_gpu_nccl")
+    report["status"] = "done"
+    write_json(path, report)
     log(f"done in {report['seconds']} s; " + (f"not ok: {', '.join(failed)}" if failed else "every part ok") +
         f"; {path}")
     return 1 if failed else 0

@@ -29,22 +29,35 @@
 # one-rank paths only), six parts each with a deadline, 9 minutes in all, into DIR/multi_gpu.json with the logs,
 # traces and figures beside it (benchmarks/gpu_multi.py); data and run directories in $MULTI_WORK (default
 # /tmp/multi). `--multi --tiny --allow-cpu` rehearses it on CPU ranks over gloo (tests/perf/test_gpu_multi.py).
+# Ctrl-C (SIGINT) or SIGTERM stops the running part with every process it started, marks it "interrupted" in the
+# report (DIR/session.json; with --multi DIR/multi_gpu.json), says what it stopped in one line and exits with 130;
+# each report is replaced as the session starts, so an earlier session's never stands as this one's.
 set -u
 dir=${1:-bench_results/gpu}
 shift $(($# > 0 ? 1 : 0))
+py=${PYTHON:-python3}
+if ! "$py" -c "import torch, h5py, yaml" 2>/dev/null; then
+    echo "error: '$py' cannot import torch, h5py and yaml (it is not the project's Python); run with the project's" \
+         "venv: PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh $dir $*" >&2
+    exit 2
+fi
+keep_logging() {  # tee that outlives a Ctrl-C, so that the session's last lines still reach the log and the screen
+    trap '' INT TERM
+    exec tee "$1"
+}
 if [[ ${1:-} == --lessons ]]; then
     shift
     mkdir -p "$dir"
     work=${LESSONS_WORK:-/tmp/lessons}
-    "${PYTHON:-python3}" -m benchmarks.gpu_lessons --out "$work" --pack "$dir/lessons.tar.gz" "$@" 2>&1 \
-        | tee "$dir/lessons.log"
+    "$py" -m benchmarks.gpu_lessons --out "$work" --pack "$dir/lessons.tar.gz" "$@" 2>&1 \
+        | keep_logging "$dir/lessons.log"
     exit "${PIPESTATUS[0]}"
 fi
-if [[ ${1:-} == --multi ]]; then
+if [[ ${1:-} == --multi ]]; then  # benchmarks/gpu_multi.py stops its own processes on SIGINT and SIGTERM
     shift
     mkdir -p "$dir"
-    "${PYTHON:-python3}" -m benchmarks.gpu_multi --out "$dir" --work "${MULTI_WORK:-/tmp/multi}" "$@" 2>&1 \
-        | tee "$dir/multi.log"
+    "$py" -m benchmarks.gpu_multi --out "$dir" --work "${MULTI_WORK:-/tmp/multi}" "$@" 2>&1 \
+        | keep_logging "$dir/multi.log"
     exit "${PIPESTATUS[0]}"
 fi
 fresh=
@@ -63,10 +76,34 @@ fi
 check=("$@")
 tiny=()
 [[ " ${check[*]-} " == *" --tiny "* ]] && tiny=(--tiny)
-py=${PYTHON:-python3}
 mkdir -p "$dir"
 start=$SECONDS
 status=0
+ended=()   # each part and how it ended, for DIR/session.json
+running=   # the part running now, and the process group timeout leads for it
+running_pid=
+era5=
+
+write_report() {  # write_report STATUS: DIR/session.json (replaced atomically)
+    local IFS=,
+    printf '{"made_by": "bash benchmarks/gpu_session.sh", "status": "%s", "seconds": %d, "parts": [%s]}\n' \
+        "$1" $((SECONDS - start)) "${ended[*]-}" > "$dir/session.json.tmp" && mv "$dir/session.json.tmp" "$dir/session.json"
+}
+
+# shellcheck disable=SC2329  # called by the traps below
+interrupted() {  # SIGINT or SIGTERM: stop the running part's processes, mark it, say what was stopped, exit 130
+    trap '' INT TERM
+    if [[ -n $running_pid ]]; then  # timeout leads a process group of its own: it, its command and their children
+        kill -TERM -- "-$running_pid" 2>/dev/null
+        for _ in $(seq 30); do kill -0 -- "-$running_pid" 2>/dev/null || break; sleep 0.5; done
+        kill -KILL -- "-$running_pid" 2>/dev/null
+    fi
+    [[ -n $era5 ]] && kill -TERM "$era5" 2>/dev/null
+    ended+=("{\"part\": \"${running:-start-up}\", \"status\": \"interrupted\"}")
+    write_report interrupted
+    echo "error: interrupted by SIG$1: stopped ${running:+the part \"$running\" and every process it started}${running:-the start-up}; $dir/session.json marks it \"interrupted\"" >&2
+    exit 130
+}
 
 until_second() {  # seconds left until second $1 of the session (at least 30)
     local left=$(($1 - (SECONDS - start)))
@@ -77,9 +114,20 @@ part() {  # part NAME DEADLINE COMMAND...: run it with a deadline, say how it en
     local name=$1 deadline=$2
     shift 2
     echo "[session $((SECONDS - start)) s] $name: $*"
-    timeout --signal=TERM --kill-after=15 "$(until_second "$deadline")" "$@"
+    running=$name
+    # in the background and waited for, so that a signal's trap runs at once (bash runs it after a foreground command)
+    timeout --signal=TERM --kill-after=15 "$(until_second "$deadline")" "$@" &
+    running_pid=$!
+    wait "$running_pid"
     local rc=$?
+    running=''
+    running_pid=''
     echo "[session $((SECONDS - start)) s] $name ended with status $rc$([[ $rc == 124 ]] && echo ' (deadline)')"
+    local how=ok
+    [[ $rc == 0 ]] || how="status $rc"
+    [[ $rc == 124 ]] && how=deadline
+    ended+=("{\"part\": \"$name\", \"status\": \"$how\"}")
+    write_report running
     [[ $rc == 0 ]] || status=1
 }
 
@@ -92,6 +140,9 @@ if [[ -z ${tiny[*]-}${fresh} && ! -e $dir/single_gpu_table.json && -e bench_resu
 fi
 
 {
+    trap 'interrupted INT' INT
+    trap 'interrupted TERM' TERM
+    write_report running
     "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device',
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     "$py" -m benchmarks.gpu_table --data-only --datasets cosmo ${tiny[@]+"${tiny[@]}"} || status=1
@@ -111,7 +162,8 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
         --levers-args "$LEVERS_ARGS" --out "$dir/single_gpu_table.json"
     part "cosmology loader" 540 "$py" -m benchmarks.bench_loader --dataset cosmo --workers 0 2 --threads 2 \
         ${loader_tiny[@]+"${loader_tiny[@]}"} --out "$dir/loader_cosmo.json"
+    write_report "done"
     echo "[session $((SECONDS - start)) s] done, status $status"
     exit "$status"
-} 2>&1 | tee "$dir/session.log"
+} 2>&1 | keep_logging "$dir/session.log"
 exit "${PIPESTATUS[0]}"
