@@ -21,20 +21,13 @@ from lifecycle.cli import training_parser
 from lifecycle.run import finish_run, load_config, restore, save, set_run_length, start_run
 from loaders import get_data_loader_distributed
 from loop.benchy import run_benchmarks
-from loop.flops import Peak, train_flops_per_sample
+from loop.dp_autocast import AutocastForward
+from loop.flops import Peak, devices_in_use, train_flops_per_sample
+from loop.meter import EpochMeter
+from loop.milestones import Milestones
 from loop.profiling import CudaProfilerWindow, nvtx_range
-from loop.reporting import (
-    AutocastForward,
-    EpochMeter,
-    Milestones,
-    devices_in_use,
-    log_step0,
-    log_training_epoch,
-    log_validation,
-    open_tensorboard,
-    set_train_mode,
-    validate,
-)
+from loop.reporting import log_step0, log_training_epoch, log_validation, open_tensorboard
+from loop.validation import set_train_mode, validate
 from networks import get_model
 from task.loss import get_loss
 from task.metrics import get_train_metrics, get_valid_metrics
@@ -54,8 +47,8 @@ def main(argv=None):
 
     # data: each data-parallel rank reads its own shard
     logging.info(f"rank {run.rank}, begin data loader init")
-    train_loader = get_data_loader_distributed(params, train=True)
-    valid_loader = get_data_loader_distributed(params, train=False)
+    train_loader = get_data_loader_distributed(params, train=True, worker_start=run.worker_start)
+    valid_loader = get_data_loader_distributed(params, train=False, worker_start=run.worker_start)
     logging.info(f"rank {run.rank}, data loader initialized with config {params.data_loader_config}")
     sample_shape = train_loader.sample_shape
     steps_per_epoch = len(train_loader)
@@ -119,8 +112,8 @@ def main(argv=None):
         return run_benchmarks(run, model, train_loader, to_device, train_step, flops_per_sample / num_devices, peak,
                               optimizer)
 
-    milestones = Milestones(params, args, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
-    meter = EpochMeter(device, train_loader, params)
+    milestones = Milestones.of_run(run, steps_per_epoch)  # when an epoch ends, a checkpoint is due, the run stops
+    meter = EpochMeter(device, train_loader, params, resume_point=run.resume_point)
     # every rank: one report each (Nsight), one trace each (--torch_profile)
     profiler_window = CudaProfilerWindow(args.profile_epoch, args.profile_iters, trace=args.torch_profile)
     open_tensorboard(run, start_iter)

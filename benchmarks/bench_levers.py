@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler
 
 from benchmarks.common import device_name
 from lifecycle.cli import apply_overrides, training_parser
-from lifecycle.run import select_attention_backend
+from lifecycle.kernels import select_attention_backend
 from loaders import common as loader_common
 from loaders import get_data_loader
 from loop.benchy import endless_batches

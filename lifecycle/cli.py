@@ -7,21 +7,10 @@ import torch
 from utils import comm
 from utils.errors import ArgumentParser, UserError
 from utils.layout import Layout
+from utils.workers import check_worker_count
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")  # scaled_dot_product_attention's kernels
-# The most loader workers a rank may start (check_worker_count): a guard against counts that cannot run, not a tuning
-# rule. CPUs: 4 workers a CPU of this rank's share (a worker waiting for a read uses none), and 8, the most any config
-# asks for, whatever the CPUs (many ranks on a few cores, as in the tests, are slow, not broken). Memory: each worker
-# budgeted WORKER_MEMORY, twice (the training and the validation loader each keep that many). Measured: a forked
-# worker of the tiny and demo configs (2 workers, ERA5, torch 2.14, 2-core CPU machine) holds about 10 MiB of its
-# own (Private_Dirty in /proc/PID/smaps_rollup, steady from 10 s to 90 s); its Rss, 410-580 MB, is the training
-# process's pages shared copy-on-write. 64 MiB leaves room for pages copied later, page tables and a worker's own
-# decode buffers (images). The batches workers read ahead live in shared memory, which the loader sizes and checks
-# itself (loaders/common.py: shared_tensor). A container's memory cap (cgroup) is not read: MemAvailable is the host's.
-WORKERS_PER_CPU = 4
-WORKERS_ALWAYS_ALLOWED = 8
-WORKER_MEMORY = 64 * 2**20  # bytes
 
 
 def training_parser(description, one_process_dp=True):
@@ -210,48 +199,6 @@ def check_counts_and_set_defaults(params):
             raise UserError(f"{key} is {params[key]}; it must be at least {minimum}")
     # cudnn autotuning: on, except where a config keeps it for its "extra opts" step (ResNet baseline)
     params.cudnn_benchmark = bool(params.get("enable_extra_opts", True))
-
-
-def machine_facts():
-    """(CPUs this process may run on, bytes of memory available now or None, ranks on this node), read at start:
-    the CPU affinity, /proc/meminfo's MemAvailable, LOCAL_WORLD_SIZE (torchrun's ranks share the affinity; srun
-    sets no LOCAL_WORLD_SIZE but gives each task CPUs of its own, and the node's memory counts for each)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            memory = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):  # not Linux: no memory bound
-        pass
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    except ValueError:
-        ranks = 1
-    return cpus, memory, ranks
-
-
-def worker_limit(cpus, memory, ranks):
-    """(the most loader workers per rank, why in words) for `ranks` ranks sharing `cpus` CPUs and `memory` bytes
-    available (None: unknown); the lower of the CPU and the memory bound (see WORKERS_PER_CPU)."""
-    shared = f" shared by {ranks} ranks" if ranks > 1 else ""
-    by_cpu = max(WORKERS_ALWAYS_ALLOWED, WORKERS_PER_CPU * cpus // ranks)
-    limit, why = by_cpu, (f"{cpus} CPU{'s' * (cpus != 1)}{shared} allow{'s' * (cpus == 1)} at most "
-                          f"{by_cpu} loader workers per rank ({WORKERS_PER_CPU} per CPU, never fewer than "
-                          f"{WORKERS_ALWAYS_ALLOWED})")
-    if memory is not None and memory // (ranks * 2 * WORKER_MEMORY) < limit:
-        limit = memory // (ranks * 2 * WORKER_MEMORY)
-        why = (f"{memory / 2**30:.1f} GiB of available memory{shared} allows at most {limit} loader workers per rank "
-               f"({WORKER_MEMORY // 2**20} MiB each, for the training and the validation loader)")
-    return limit, why
-
-
-def check_worker_count(workers, facts=None):
-    """A UserError, before any worker starts, when `workers` loader workers per rank are more than this machine can
-    hold (worker_limit); `facts`: (cpus, memory, ranks) instead of machine_facts()."""
-    limit, why = worker_limit(*(facts or machine_facts()))
-    if workers > limit:
-        raise UserError(f"--num_data_workers {workers} is more than this machine can hold: {why}; lower "
-                        f"--num_data_workers to {limit} or fewer")
 
 
 def set_precision(params, args):

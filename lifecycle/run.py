@@ -3,14 +3,15 @@ run directory, the checkpoint to resume from), restore, save and finish.
 
 train.py (data parallel), train_mp.py (model parallel) and train_graph.py (CUDA Graphs) each read top to bottom:
 setup -> data -> model, optimizer, resume -> wrap -> step function -> loop -> finish. What they share lives here
-(the run) and in loop/reporting.py (the loop's decisions and reports), and takes what differs as arguments (the
-model's state, the functions that load it); nothing here knows which script calls it.
+(the run) and in loop/ (the loop's decisions, meter, validation and reports), and takes what differs as arguments
+(the model's state, the functions that load it); nothing here knows which script calls it.
 """
 import dataclasses
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +29,16 @@ from lifecycle.checkpoint import (
     set_rng_states,
 )
 from lifecycle.cli import apply_overrides, check_stage_flags
+from lifecycle.kernels import (  # noqa: F401 (tests/models/ import the two checks from here)
+    choose_kernels,
+    refuse_compiled_channels_last_unet,
+    select_attention_backend,
+)
 from lifecycle.run_lock import RunDirectoryLock
 from utils import comm, health
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
 from utils.logging_utils import config_logger, log_to_file
+from utils.workers import WorkerStart
 from utils.YParams import YParams
 
 
@@ -75,6 +82,11 @@ class Run:
     rank: int = 0
     lock: RunDirectoryLock = None
     writer: SummaryWriter = None
+    # what the loop and the loaders ask of the job, handed to them (loop/ and loaders/ import no job code)
+    stop_signal: Callable = signals.agreed_in_loop  # at each step boundary (collective): the agreed signal, or None
+    settle: Callable = signals.settle  # after the loop's last boundary: the agreements still in flight are read
+    resume_point: Callable = health.resume_point  # what a restart resumes from, in words (the lines that stop a run)
+    worker_start: WorkerStart = signals.SIGNAL_PROOF_START  # loader workers started deaf to the stop signals
 
 
 def _make_run_dir(exp_dir, model):
@@ -92,42 +104,6 @@ def _make_run_dir(exp_dir, model):
     return RunDirectoryLock(exp_dir, model)
 
 
-# each attention kernel's switch and its setting as torch starts (what "auto" puts back)
-_SDPA_SWITCHES = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
-                  "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
-                  "math": torch.backends.cuda.enable_math_sdp}
-
-
-_SDPA_DEFAULTS = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
-                  "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-                  "math": torch.backends.cuda.math_sdp_enabled()}
-
-
-def select_attention_backend(name, device, half=True):
-    """Let scaled_dot_product_attention run only the kernel `name` (sdpa_backend), or torch's own choice ("auto").
-    Why a switch: torch picks per version (on an H100, torch 2.11 picks cuDNN's kernel; FlashAttention-2 is 1.65x
-    slower there); a run on an older torch can ask for another. `half`: the run's attention sees fp16/bf16."""
-    if name in ("cudnn", "efficient") and device.type != "cuda":
-        raise UserError(f"--sdpa_backend {name} is a CUDA kernel; on the CPU use auto, flash or math")
-    if name in ("cudnn", "flash") and device.type == "cuda" and not half:
-        raise UserError(f"--sdpa_backend {name} takes fp16/bf16 inputs only; add --amp_mode bf16, or use "
-                        "--sdpa_backend efficient or math for fp32")
-    for backend, switch in _SDPA_SWITCHES.items():
-        switch(_SDPA_DEFAULTS[backend] if name == "auto" else backend == name)
-
-
-def refuse_compiled_channels_last_unet(params, device):
-    """On a GPU, torch.compile of the UNet in channels_last_3d stopped at its first backward (torch 2.11, fp16, an
-    H200, 2026-11-28: Inductor expected a 512-channel 3D convolution's weight gradient in channels_last_3d, cuDNN
-    returned it contiguous; compare PyTorch issue 171622); other torch versions were not tried, and on the CPU the
-    pair runs. One line instead of Inductor's traceback at the first step."""
-    if device.type == "cuda" and params.get("model") == "unet" and params.get("enable_nhwc") and params.enable_jit:
-        raise UserError("--enable_nhwc with --enable_jit stops the UNet at its first backward on a GPU (torch.compile "
-                        "expects another memory layout for a 3D convolution's weight gradient than cuDNN returns; "
-                        "seen with torch 2.11, compare PyTorch issue 171622); use one of the two, e.g. add "
-                        "--no-enable_jit (channels_last_3d alone was the faster on an H200)")
-
-
 def start_run(args, params, layout):
     """Flags into the config (batch sizes by the "dp" group), the device, the run directory
     <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
@@ -143,13 +119,7 @@ def start_run(args, params, layout):
     if args.desired_acc is not None and not 0 < args.desired_acc <= 1:
         raise UserError(f"--desired_acc is {args.desired_acc}; give the top-1 accuracy as a fraction, e.g. 0.75")
     device = comm.get_device()
-    refuse_compiled_channels_last_unet(params, device)
-    select_attention_backend(params.sdpa_backend, device, half=params.amp_enabled)
-    register_cleanup(lambda: select_attention_backend("auto", device))  # the next run in this process: torch's choice
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = params.cudnn_benchmark
-    else:
-        torch.set_flush_denormal(True)  # tiny (denormal) floats slow CPU arithmetic down by 2-4x
+    choose_kernels(params, device)  # the attention kernel, cuDNN autotuning, denormals (lifecycle/kernels.py)
 
     dry_run = getattr(args, "dry_run", None)
     if dry_run is None and getattr(args, "dry_run_rank", 0):

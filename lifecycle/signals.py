@@ -25,7 +25,9 @@ A second Ctrl-C stops at once (KeyboardInterrupt), in one line, until the stop's
 on a signal is ignored in one line, and once the run's last line is said it ends the process at once with the
 run's own exit code (`ending`).
 
-This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked.
+This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked. The
+training loop and the loaders do not import it: a run hands them what they ask (lifecycle/run.py's Run: the
+agreement at each step boundary, the signal-proof start of loader workers, SIGNAL_PROOF_START).
 """
 import collections
 import contextlib
@@ -35,6 +37,8 @@ import os
 import signal
 import sys
 import threading
+
+from utils.workers import WorkerStart
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the submit scripts requeue the job on it
@@ -329,6 +333,10 @@ def _wait_in_worker(parent):
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_signo == signal.SIGTERM and info.si_pid == parent:
             os._exit(0)  # what PyTorch's own worker handler does on its loader's SIGTERM
+
+
+# how a training run's loaders start their workers (lifecycle/run.py hands it to them: Run.worker_start)
+SIGNAL_PROOF_START = WorkerStart(context=WorkerContext, starting=workers_start_blocked, in_worker=ignore_in_worker)
 
 
 # --- helpers that torch and multiprocessing start: inductor's compile workers, the resource tracker ---

@@ -7,34 +7,41 @@ images.py     CIFAR-100 and ImageFolder (torchvision)
 synthetic.py  random batches of the config's shapes, no files (ERA5's `synthetic`: measuring a layout)
 Every loader offers the training loop the same interface (loaders/common.py). `LOADERS` maps each
 (dataset, data_loader_config) to the function that builds the loader of one split; a data set with one loader
-(the image data sets) takes any data_loader_config.
+(the image data sets) takes any data_loader_config. How the loaders start their worker processes is handed in (a
+WorkerStart, utils/workers.py: a training run's keeps the job's stop signals from them, lifecycle/signals.py).
 """
 from loaders import common
 from loaders.cosmo import cosmo_loader
 from loaders.era5 import era5_loader
 from loaders.synthetic import SyntheticLoader
 from utils.errors import UserError
+from utils.workers import PLAIN_START
 
 
 # imported on first use: their modules need optional packages (DALI; torchvision)
-def dali_era5_loader(params, train):
+def dali_era5_loader(params, train, worker_start):
     from loaders import dali_era5
-    return dali_era5.dali_era5_loader(params, train)
+    return dali_era5.dali_era5_loader(params, train, worker_start)
 
 
-def dali_cosmo_loader(params, train):
+def dali_cosmo_loader(params, train, worker_start):
     from loaders import dali_cosmo
-    return dali_cosmo.dali_cosmo_loader(params, train)
+    return dali_cosmo.dali_cosmo_loader(params, train, worker_start)
 
 
-def image_loader(params, train):
+def image_loader(params, train, worker_start):
     from loaders import images
-    return images.image_loader(params, train)
+    return images.image_loader(params, train, worker_start)
 
 
-# dataset -> {data_loader_config: fn(params, train) -> loader}; the key None: whatever data_loader_config says
+def synthetic_loader(params, train, worker_start):
+    return SyntheticLoader(params, train)  # no workers
+
+
+# dataset -> {data_loader_config: fn(params, train, worker_start) -> loader}; the key None: whatever
+# data_loader_config says
 LOADERS = {
-    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader, "synthetic": SyntheticLoader},
+    "era5": {"pytorch": era5_loader, "dali": dali_era5_loader, "synthetic": synthetic_loader},
     "cosmo": {"synthetic": cosmo_loader, "inmem": cosmo_loader, "lowmem": cosmo_loader,
               "dali-lowmem": dali_cosmo_loader},
     "cifar100": {None: image_loader},
@@ -45,8 +52,9 @@ DATASET_NAMES = {"era5": "ERA5", "cosmo": "the cosmology boxes"}  # in error mes
 MISPLACED = {("era5", "dali-lowmem"): "the cosmology boxes' DALI loader (config/UNet.yaml)"}
 
 
-def get_data_loader(params, train):
-    """The loader of the training (train=True) or validation split, sharded over the data-parallel ranks."""
+def get_data_loader(params, train, worker_start=PLAIN_START):
+    """The loader of the training (train=True) or validation split, sharded over the data-parallel ranks; its worker
+    processes start as `worker_start` says (default: as multiprocessing starts them)."""
     dataset = params.get("dataset", "era5")
     if dataset not in LOADERS:
         raise UserError(f"dataset '{dataset}' is unknown; choose one of: {', '.join(LOADERS)}")
@@ -59,14 +67,15 @@ def get_data_loader(params, train):
                             f"{DATASET_NAMES[dataset]} choose one of: {choices}")
         raise UserError(f"data_loader_config '{config}' is unknown for {DATASET_NAMES[dataset]}; choose one of: "
                         f"{choices}")
-    loader = build(params, train)
+    loader = build(params, train, worker_start)
     if hasattr(loader, "dataset"):  # a synthetic loader's size is its config's, the same everywhere
         common.check_same_size_everywhere(len(loader.dataset), train)
     return loader
 
 
-def get_data_loader_distributed(params, train):
+def get_data_loader_distributed(params, train, worker_start=PLAIN_START):
     """The original tutorial's name for it (its utils/__init__.py): the loader of the training (train=True) or
     validation split, sharded over the data-parallel ranks, with the interface of loaders/common.py (iterate an
-    epoch, len(), set_epoch(epoch, skip), sample_shape, first_batch(), describe(epoch, step))."""
-    return get_data_loader(params, train)
+    epoch, len(), set_epoch(epoch, skip), sample_shape, first_batch(), describe(epoch, step)). A training script
+    passes its run's `worker_start` (lifecycle/run.py's Run)."""
+    return get_data_loader(params, train, worker_start)

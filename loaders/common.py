@@ -11,6 +11,7 @@ This module imports no other loader module (loaders/era5.py, cosmo.py, images.py
 import collections
 import copy
 import ctypes
+import functools
 import importlib.util
 import logging
 import math
@@ -25,9 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
-from lifecycle import signals
 from utils import comm
 from utils.errors import OneRankError, UserError
+from utils.workers import PLAIN_START
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
 TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
@@ -57,7 +58,7 @@ class ResumableSampler(DistributedSampler):
         the ranks R by repeating its first ones at the end, then deals it out: this rank's k-th sample is place
         rank + k * R of that order, a repeat when the place is N or more. So the rank holds
         ceil((N - rank) / R) real samples, then padding (one sample on the ranks from N mod R on, when R does not
-        divide N). loop/reporting.validate weighs the padding zero, so every sample counts once."""
+        divide N). loop/validation.validate weighs the padding zero, so every sample counts once."""
         real = self.num_samples if self.drop_last else \
             min(self.num_samples, max(0, -(-(len(self.dataset) - self.rank) // self.num_replicas)))
         return max(0, real - self.skip)
@@ -374,12 +375,13 @@ class TorchLoader:
         return f"sample indices {', '.join(map(str, indices))}"
 
 
-def torch_loader(params, dataset, train, turn_later=None):
+def torch_loader(params, dataset, train, turn_later=None, worker_start=PLAIN_START):
     """The PyTorch loader (TorchLoader) of one split of `dataset`, sharded over the data-parallel ranks. Datasets
     that read whole batches into given buffers (`read_batch_into`: ERA5, cosmology) get a BatchRing when there are
     workers. A dataset that can finish its batches later (`finish_batch`: the cosmology crops' turns) does so after
     the copy to the GPU (`turn_later`; default: when there is a GPU), where a turn costs microseconds instead of
-    a copy of every crop on the host."""
+    a copy of every crop on the host. `worker_start` (utils/workers.py): how the workers start (a training run's:
+    deaf to the job's stop signals)."""
     finished_later = hasattr(dataset, "finish_batch") and (torch.cuda.is_available() if turn_later is None
                                                            else turn_later)
     if hasattr(dataset, "finish_batch"):
@@ -389,8 +391,9 @@ def torch_loader(params, dataset, train, turn_later=None):
     workers = params.num_data_workers
     # own generator: worker seeds do not draw from the global RNG, so a resumed run's RNG (dropout)
     # follows the same sequence as an uninterrupted one
-    common = dict(num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker,
-                  multiprocessing_context=signals.WorkerContext() if workers else None,  # started signal-proof
+    common = dict(num_workers=workers, persistent_workers=workers > 0,
+                  worker_init_fn=functools.partial(_seed_worker, in_worker=worker_start.in_worker),
+                  multiprocessing_context=worker_start.context() if workers else None,
                   generator=torch.Generator().manual_seed(params.seed + params.data_shard_id))
     if (workers or finished_later) and hasattr(dataset, "read_batch_into"):
         # without workers (a dataset finished later), the training process reads into a ring of its own memory:
@@ -433,9 +436,9 @@ def exit_with_parent():
         os._exit(1)
 
 
-def _seed_worker(worker_id):
+def _seed_worker(worker_id, in_worker):
     exit_with_parent()
-    signals.ignore_in_worker()  # Slurm signals every process of a step: the main process decides, and stops us
+    in_worker()  # a run's WorkerStart: the job's stop signals (to every process of a step) are the main process's
     np.random.seed(torch.initial_seed() % (2**32 - 1))
     dataset = get_worker_info().dataset
     if isinstance(dataset, RingReader):
@@ -465,19 +468,21 @@ def _import_dali(config):
 class SamplerSource:
     """The base of a per-sample external-source callback: sample `idx_in_epoch` of DALI's epoch `epoch_idx` is the
     sampler's key at that place in epoch `first_epoch + epoch_idx`, after the `first_skip` steps skipped in the
-    first epoch (exact resume). The callback may run in DALI's worker processes: it holds only picklable state."""
+    first epoch (exact resume). The callback may run in DALI's worker processes: it holds only picklable state, and
+    calls `in_worker` (a WorkerStart's, utils/workers.py) as a worker unpickles it."""
 
-    def __init__(self, sampler, batch_size, steps_per_epoch, first_epoch, first_skip):
+    def __init__(self, sampler, batch_size, steps_per_epoch, first_epoch, first_skip, in_worker=PLAIN_START.in_worker):
         self.sampler = copy.copy(sampler)  # its own: set_epoch here must not move the loader's sampler
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self.first_epoch, self.first_skip = first_epoch, first_skip
+        self.in_worker = in_worker
         self.order_epoch, self.order = None, None
 
     def __setstate__(self, state):
-        """Unpickled in a DALI worker process: Ctrl-C and Slurm's warning signal are for the main process."""
+        """Unpickled in a DALI worker process: in a run, Ctrl-C and Slurm's warning signal are for the main process."""
         self.__dict__.update(state)
         exit_with_parent()
-        signals.ignore_in_worker()
+        self.in_worker()
 
     def _order(self, epoch):
         if epoch != self.order_epoch:
@@ -499,12 +504,13 @@ class PipelineLoader:
     """The loop's view of a DALI pipeline: the same interface as TorchLoader. Subclasses say how to build the
     pipeline (`build_pipeline(first_epoch, first_skip)`), which data_loader_config they serve (`config`) and the
     sample shape. Epoch length, drop_last and validation's last partial batch follow the PyTorch loader; looking
-    at the first batch (step 0) does not consume it."""
+    at the first batch (step 0) does not consume it. `worker_start`: how DALI's workers start (torch_loader's)."""
     config = None  # the data_loader_config it serves
 
-    def __init__(self, params, dataset, sampler, batch_size, train):
+    def __init__(self, params, dataset, sampler, batch_size, train, worker_start=PLAIN_START):
         self.dali, self.iterator_class, self.last_batch_policy = _import_dali(self.config)
         self.dataset, self.sampler, self.batch_size, self.train = dataset, sampler, batch_size, train
+        self.worker_start = worker_start
         self.workers = params.num_data_workers
         self.seed = params.seed
         self.steps = len(sampler) // batch_size if train else math.ceil(len(sampler) / batch_size)
@@ -525,7 +531,7 @@ class PipelineLoader:
     def _restart(self):
         """A pipeline whose first epoch is self.epoch, after self.skip steps, and DALI's iterator over it."""
         pipe = self.build_pipeline(self.epoch, self.skip)
-        with signals.workers_start_blocked():  # DALI's parallel sources spawn their workers here
+        with self.worker_start.starting():  # DALI's parallel sources spawn their workers here
             pipe.build()
         # training epochs end when the source raises StopIteration (whole batches, drop_last); validation's last
         # batch is padded by the source and trimmed to the rest of the set by the iterator

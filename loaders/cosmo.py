@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from loaders.common import ResumableSampler, read_whole_batch, torch_loader
 from utils.errors import OneRankError, UserError
+from utils.workers import PLAIN_START
 
 COSMO_HINT = ("generate sample data with `python -m sample_data cosmo --out data/cosmo` "
               "and pass --data_dir data/cosmo")
@@ -458,6 +459,6 @@ class CosmoDataset(Dataset):
         return state
 
 
-def cosmo_loader(params, train):
+def cosmo_loader(params, train, worker_start=PLAIN_START):
     """The PyTorch loader of one split of the cosmology crops (`--data_loader_config synthetic|inmem|lowmem`)."""
-    return torch_loader(params, CosmoDataset(params, train), train)
+    return torch_loader(params, CosmoDataset(params, train), train, worker_start=worker_start)

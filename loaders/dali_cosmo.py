@@ -21,6 +21,7 @@ import numpy as np
 
 from loaders.common import PipelineLoader, SamplerSource, sharded_sampler, split_batch_size
 from loaders.cosmo import CosmoDataset, plan_turn
+from utils.workers import PLAIN_START
 
 # A per-sample permutation of the spatial axes through one fixed transpose. Reshape the (D, H, W, C) crop to a
 # 6-D view (s0, s1, s2, s3, s4, C) in which three of the five slots hold D, H, W in that order (their memory
@@ -91,7 +92,8 @@ class CosmoDALILoader(PipelineLoader):
     config = "dali-lowmem"
 
     def build_pipeline(self, first_epoch, first_skip):
-        args = (self.dataset, self.sampler, self.batch_size, self.steps, first_epoch, first_skip)
+        args = (self.dataset, self.sampler, self.batch_size, self.steps, first_epoch, first_skip,
+                self.worker_start.in_worker)
         options = dict(batch_size=self.batch_size, num_threads=max(1, self.workers), device_id=self.device_id,
                        seed=self.seed, prefetch_queue_depth=2)
         build = self.dali.pipeline_def(_crop_pipeline)
@@ -103,9 +105,9 @@ class CosmoDALILoader(PipelineLoader):
         return (self.dataset.n_in_channels, *(self.dataset.crop_size,) * 3)
 
 
-def dali_cosmo_loader(params, train):
+def dali_cosmo_loader(params, train, worker_start=PLAIN_START):
     """The DALI loader of one split of the cosmology crops; the dataset, a CosmoDataset in dali-lowmem mode, checks
     the .npy copies first."""
     dataset = CosmoDataset(params, train)
     return CosmoDALILoader(params, dataset, sharded_sampler(params, dataset, train), split_batch_size(params, train),
-                           train)
+                           train, worker_start)

@@ -13,6 +13,7 @@ import numpy as np
 
 from loaders.common import PipelineLoader, SamplerSource, sharded_sampler, split_batch_size
 from loaders.era5 import era5_dataset
+from utils.workers import PLAIN_START
 
 
 class ERA5Source(SamplerSource):
@@ -37,7 +38,8 @@ class DALILoader(PipelineLoader):
 
     def build_pipeline(self, first_epoch, first_skip):
         dali, fn = self.dali, self.dali.fn
-        source = ERA5Source(self.dataset, self.sampler, self.batch_size, self.steps, first_epoch, first_skip)
+        source = ERA5Source(self.dataset, self.sampler, self.batch_size, self.steps, first_epoch, first_skip,
+                            self.worker_start.in_worker)
         pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=2, device_id=self.device_id, seed=self.seed,
                              py_num_workers=self.workers, py_start_method="spawn", prefetch_queue_depth=2)
         channels = (-1, 1, 1)
@@ -61,8 +63,8 @@ class DALILoader(PipelineLoader):
         return (self.dataset.n_channels, self.dataset.img_h, self.dataset.img_w)
 
 
-def dali_era5_loader(params, train):
+def dali_era5_loader(params, train, worker_start=PLAIN_START):
     """The DALI loader of one ERA5 split; without DALI, a UserError that names the PyTorch loader instead."""
     dataset = era5_dataset(params, train)
     return DALILoader(params, dataset, sharded_sampler(params, dataset, train), split_batch_size(params, train),
-                      train)
+                      train, worker_start)

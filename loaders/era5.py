@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from loaders.common import read_whole_batch, torch_loader
 from utils.errors import OneRankError, UserError
+from utils.workers import PLAIN_START
 
 SAMPLE_DATA_HINT = ("generate sample data with `python -m sample_data era5 --out data/era5` "
                     "and pass --data_dir data/era5")
@@ -169,6 +170,6 @@ def era5_dataset(params, train):
     return ERA5Dataset(params, params.train_data_path if train else params.valid_data_path, train)
 
 
-def era5_loader(params, train):
+def era5_loader(params, train, worker_start=PLAIN_START):
     """The PyTorch loader of one ERA5 split (`--data_loader_config pytorch`)."""
-    return torch_loader(params, era5_dataset(params, train), train)
+    return torch_loader(params, era5_dataset(params, train), train, worker_start=worker_start)

@@ -20,6 +20,7 @@ from torchvision.datasets.utils import calculate_md5, check_integrity
 from loaders.common import torch_loader
 from utils import comm
 from utils.errors import UserError
+from utils.workers import PLAIN_START
 
 CIFAR100_FILES = ("train", "test", "meta")
 # the globals a CIFAR pickle names: numpy's reconstruction of an array (numpy 1's and numpy 2's module), its type and
@@ -206,11 +207,11 @@ def sample_shape(params):
     raise UserError(f"dataset '{params.dataset}' is not an image data set; choose cifar100 or imagefolder")
 
 
-def image_loader(params, train):
+def image_loader(params, train, worker_start=PLAIN_START):
     """The PyTorch loader of one split of CIFAR-100 or an image folder (any `data_loader_config`)."""
     # rank 0 first: it may download CIFAR-100 (when the config allows); if it fails, every rank stops
     # with its message instead of waiting for it forever
     dataset = comm.on_rank0(lambda: get_image_dataset(params, train, download_ok=True))
     if dataset is None:
         dataset = get_image_dataset(params, train, download_ok=False)
-    return torch_loader(params, dataset, train)
+    return torch_loader(params, dataset, train, worker_start=worker_start)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lifecycle.run import finish_run
 from loop.profiling import SavedActivations, local_tensor, peak_memory_gb
-from loop.reporting import set_train_mode
+from loop.validation import set_train_mode
 from utils import comm
 from utils.atomic import write_json
 

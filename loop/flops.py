@@ -1,4 +1,5 @@
-"""FLOPs per sample (counted once with torch.utils.flop_counter) and the peak they are measured against."""
+"""FLOPs per sample (counted once with torch.utils.flop_counter), the devices that share them, and the peak they are
+measured against (a datasheet's, utils/gpus.py, or a measured matmul)."""
 import os
 import time
 
@@ -6,13 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from utils import comm
-
-# dense datasheet peaks in FLOP/s: (bf16/fp16, tf32, fp32)
-GPU_PEAKS = {
-    "A100": (312e12, 156e12, 19.5e12),
-    "H100": (989e12, 494e12, 67e12),
-    "H200": (989e12, 494e12, 67e12),
-}
+from utils.gpus import GPU_PEAKS
 
 
 def train_flops_per_sample(build_model, params, sample_shape):
@@ -27,6 +22,13 @@ def train_flops_per_sample(build_model, params, sample_shape):
         with FlopCounterMode(display=False) as counter:
             model(inp).float().sum().backward()
     return counter.get_total_flops() // batch
+
+
+def devices_in_use(args, device):
+    """Devices sharing the model's FLOPs: one per rank, or every visible GPU under DataParallel (--parallel dp)."""
+    if args.parallel == "dp" and device.type == "cuda":
+        return torch.cuda.device_count()
+    return comm.get_world_size()
 
 
 def measure_matmul_peak(device, dtype=torch.float32, seconds=0.2, max_size=4096):

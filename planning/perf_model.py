@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from distributed.helpers import compute_split_shapes
 from networks.vit import mlp_hidden
+from utils.gpus import GPU_PEAKS
 from utils.layout import Layout
 
 SERIAL = Layout()
@@ -263,8 +264,9 @@ def _bytes_by_group(collectives):
 @dataclass(frozen=True)
 class System:
     """One GPU kind in a Perlmutter-style node: 4 GPUs on NVLink, one 25 GB/s Slingshot-11 NIC per GPU. FLOP/s are
-    dense tensor-core peaks by precision; `vector_flops`: fp32 on the CUDA cores (softmax's exponentials);
-    `nvlink_pair`: bytes/s one way between two GPUs of the node (a ring sends to one neighbour); memory in GiB."""
+    dense tensor-core peaks by precision (utils/gpus.py); `vector_flops`: fp32 on the CUDA cores (softmax's
+    exponentials); `nvlink_pair`: bytes/s one way between two GPUs of the node (a ring sends to one neighbour); memory
+    in GiB."""
     name: str
     tensor_flops: dict
     vector_flops: float
@@ -275,13 +277,18 @@ class System:
     gpus_per_node: int = 4
 
 
-_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}
-_H100 = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}
-SYSTEMS = {system.name: system for system in (  # vendor datasheets; NVLink: links per GPU pair x 25 GB/s one way
-    System("A100-40GB", _A100, 19.5e12, 1.555e12, 40, 4 * 25e9),  # Perlmutter: 4 NVLink-3 links per pair
-    System("A100-80GB", _A100, 19.5e12, 2.039e12, 80, 4 * 25e9),
-    System("H100-SXM", _H100, 67e12, 3.35e12, 80, 6 * 25e9),  # 4-GPU HGX board: 6 NVLink-4 links per pair
-    System("H200", _H100, 67e12, 4.8e12, 141, 6 * 25e9),
+def _system(name, gpu, hbm_bytes_per_s, memory_gib, nvlink_pair):
+    """A System of the GPU `gpu`, with its peak FLOP/s from utils/gpus.py (the table MFU is measured against)."""
+    peaks = GPU_PEAKS[gpu]
+    return System(name, peaks.tensor_flops(), peaks.fp32, hbm_bytes_per_s, memory_gib, nvlink_pair)
+
+
+# bandwidths and memory: vendor datasheets; FLOP/s: utils/gpus.py; NVLink: links per GPU pair x 25 GB/s one way
+SYSTEMS = {system.name: system for system in (
+    _system("A100-40GB", "A100", 1.555e12, 40, 4 * 25e9),  # Perlmutter: 4 NVLink-3 links per pair
+    _system("A100-80GB", "A100", 2.039e12, 80, 4 * 25e9),
+    _system("H100-SXM", "H100", 3.35e12, 80, 6 * 25e9),  # 4-GPU HGX board: 6 NVLink-4 links per pair
+    _system("H200", "H200", 4.8e12, 141, 6 * 25e9),
 )}
 
 # The fraction of a peak that each kind of work reaches: one number each, for every layout and system (none is

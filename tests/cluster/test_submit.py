@@ -523,7 +523,7 @@ def test_a_job_stopped_before_its_time_limit_requeues_and_its_rerun_ends_like_an
     command again (Slurm's rerun of the requeued job) resumes, finishes with 0 and is not requeued; its weights and
     every TensorBoard point equal those of a job nobody stopped (which was not requeued either). A failure points
     to the submit scripts' end (requeue_or_exit in submit_common.sh), the srun stand-in, or the training scripts'
-    stop on a signal (lifecycle/signals.py, Milestones.stop in loop/reporting.py)."""
+    stop on a signal (lifecycle/signals.py, Milestones.stop in loop/milestones.py)."""
     args = ["-n", "2", "submit_pm_dp.sh", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "100",
             "--checkpoint_interval", "0", "--num_data_workers", "2"]
     (tmp_path / "whole").mkdir()

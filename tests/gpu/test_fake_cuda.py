@@ -6,7 +6,7 @@ and buffer is replaced by a fake tensor on `cuda` of the same shape, dtype and s
 to_device). Then train.py's step runs under torch.autocast("cuda") with the config's dtype (fp32, bf16, fp16), in
 the default and in the channels_last format (enable_nhwc), and for the ViT also at tp=2 x cp=2 on a fake process
 group (train_mp.py): the forward, the loss (task/loss.py), the training metrics (task/metrics.py) into an
-EpochMeter, and loop.reporting.validate (validation loss and metrics, up to its reduction over "dp"). Their outputs
+EpochMeter, and loop.validation.validate (validation loss and metrics, up to its reduction over "dp"). Their outputs
 must be fake tensors on cuda, the forward's in the autocast dtype. A CPU tensor of one or more dimensions mixed into
 any of it (a `torch.arange(n)` or a mask made without device=, a tensor kept in an attribute that is not a buffer, a
 target left on the CPU) raises FakeTensor's device-mismatch error, as it would fail on a GPU; the twins inject such
@@ -18,8 +18,8 @@ grad and no graph is recorded), zero-dimensional CPU tensors (FakeTensor lets th
 Torch 2.5's FakeTensorMode calls the CUDA driver for some ops (attention, batch norm in training, channels_last
 copies, bf16 convolutions) and has no kernel for the c10d collectives: the cases that need them are skipped there,
 naming the op. A failure of a check (not a twin) points to the file of the frame that made or kept the CPU tensor:
-networks/ (forward), distributed/ (tp x cp layers), task/loss.py, task/metrics.py, loop/reporting.py (EpochMeter.add,
-validate).
+networks/ (forward), distributed/ (tp x cp layers), task/loss.py, task/metrics.py, loop/meter.py (EpochMeter.add),
+loop/validation.py (validate).
 """
 import copy
 import functools
@@ -36,7 +36,8 @@ from distributed.layers import DistributedMatmul
 from distributed.parallelize import split_tokens_and_weights
 from lifecycle.cli import apply_overrides, training_parser
 from loaders.images import sample_shape as image_sample_shape
-from loop.reporting import EpochMeter, set_train_mode, validate
+from loop.meter import EpochMeter
+from loop.validation import set_train_mode, validate
 from networks import get_model
 from task import metrics
 from task.loss import get_loss
@@ -184,7 +185,7 @@ class ReductionReached(Exception):
 
 
 def validation_sums(model, batch, to_device, loss_fn, metrics_fn, autocast, monkeypatch):
-    """loop.reporting.validate on one batch, stopped at its reduction (a fake tensor has no value to .item())."""
+    """loop.validation.validate on one batch, stopped at its reduction (a fake tensor has no value to .item())."""
     def stop(tensor, group="dp"):
         raise ReductionReached(tensor)
 

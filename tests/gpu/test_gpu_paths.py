@@ -1,7 +1,7 @@
 """GPU-only defects reproduced on the CPU: each check of a fix has a twin that shows the defect without it.
 
 - DataParallel runs each replica in a thread of its own, where torch re-enters autocast without the dtype (fp16 on
-  CUDA): the replica's forward must carry the run's dtype (loop/reporting.AutocastForward).
+  CUDA): the replica's forward must carry the run's dtype (loop/dp_autocast.AutocastForward).
 - fp16 with tensor parallelism: one rank's gradient shard overflowing must skip the step on every rank of the
   model-parallel group, with one loss scale (distributed/grad_scaler.py).
 - Copies of replicated weights (over tp) whose gradients round differently on each rank (atomics, cuDNN algorithms
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loop import flops
-from loop.reporting import AutocastForward
+from loop.dp_autocast import AutocastForward
 from tests.conftest import as_spawned_rank, free_port
 from utils import comm, compat, rendezvous
 from utils.errors import UserError

@@ -1,4 +1,4 @@
-"""The loop's decisions, made in one place (loop/reporting.Milestones): when an epoch ends (report, validation),
+"""The loop's decisions, made in one place (loop/milestones.Milestones): when an epoch ends (report, validation),
 when a checkpoint is due, when the run stops. The training tests check what these decisions produce (resume equal
 to an uninterrupted run, --stop_at_iter, --desired_acc); here each decision is checked against its rule on a small
 schedule. A failure points to Milestones, or to a loop that no longer asks it."""
@@ -9,13 +9,16 @@ from types import SimpleNamespace
 import pytest
 
 from lifecycle import signals
-from loop.reporting import Milestones
+from loop.milestones import Milestones
 
 
 def milestones(num_iters=20, steps_per_epoch=6, interval=5, stop_at_iter=None, desired_acc=None):
+    """A run's Milestones (Milestones.of_run), its stop signals those of lifecycle/signals.py, as lifecycle/run.py's
+    Run hands them in."""
     params = SimpleNamespace(num_iters=num_iters, checkpoint_interval=interval)
     args = SimpleNamespace(stop_at_iter=stop_at_iter, desired_acc=desired_acc)
-    return Milestones(params, args, steps_per_epoch)
+    run = SimpleNamespace(params=params, args=args, stop_signal=signals.agreed_in_loop, settle=signals.settle)
+    return Milestones.of_run(run, steps_per_epoch)
 
 
 def test_epochs_end_at_whole_epochs_and_at_the_last_iteration():

@@ -1,4 +1,4 @@
-"""Recorded numbers: train.py, on the helpers the training scripts share (lifecycle/run.py, loop/reporting.py, the
+"""Recorded numbers: train.py, on the helpers the training scripts share (lifecycle/run.py, loop/, the
 loader interface, the "dp" group), reproduces the recorded numbers of each stage; loaders serve the loop through one
 interface, reductions follow the named group, and the LR schedule is stepped outside the training step.
 

@@ -1,7 +1,7 @@
 """What goes wrong in real runs: nan losses, two runs in one directory, a kill during validation, a missing peer,
 bad files and flags, a full disk, a killed rank under torchrun. Each test fails on the code before the fix.
 
-A failure points to lifecycle/run.py (checkpoints), loop/reporting.py (meter), lifecycle/run_lock.py,
+A failure points to lifecycle/run.py (checkpoints), loop/meter.py, lifecycle/run_lock.py,
 utils/rendezvous.py, lifecycle/checkpoint.py, utils/YParams.py, lifecycle/cli.py, the data loaders, or train.py's loop.
 """
 import errno

@@ -4,7 +4,7 @@ checkpoint, the line "stopped by SIGTERM at iteration N; starting again resumes 
 in the weights. Real processes: one process, and 2 gloo ranks under torchrun at tp=2 (torchrun forwards SIGTERM to
 its ranks; they agree on the step to stop after).
 
-A failure points to lifecycle/signals.py (handlers, the agreement), loop/reporting.Milestones.stop, finish_run's exit
+A failure points to lifecycle/signals.py (handlers, the agreement), loop/milestones.Milestones.stop, finish_run's exit
 code, or the checkpoint the loop writes when it stops.
 """
 import contextlib
@@ -150,15 +150,15 @@ def _dali_like_worker(source, unpickle, signalled):
 def test_a_dali_worker_ignores_every_stop_signal_but_its_loaders_sigterm():
     """Slurm signals every process of the step, DALI's spawned workers too, and they have none of the training
     process's handlers: a worker started with the signals blocked (signals.workers_start_blocked, as
-    PipelineLoader._restart starts them) that unpickled its sample source lives through SIGUSR1, SIGINT and SIGTERM
-    from anyone else, and ends on its parent's SIGTERM (DALI closing a worker that did not exit). Twin: a process
-    started plainly, without the source, dies of the first signal."""
+    PipelineLoader._restart starts them with a run's signals.SIGNAL_PROOF_START) that unpickled its sample source
+    lives through SIGUSR1, SIGINT and SIGTERM from anyone else, and ends on its parent's SIGTERM (DALI closing a worker
+    that did not exit). Twin: a process started plainly, without the source, dies of the first signal."""
     import multiprocessing
     import pickle
 
     from lifecycle import signals
     from loaders.common import SamplerSource
-    source = pickle.dumps(SamplerSource([0, 1, 2, 3], 2, 2, 0, 0))
+    source = pickle.dumps(SamplerSource([0, 1, 2, 3], 2, 2, 0, 0, signals.ignore_in_worker))  # a run's in_worker
     context = multiprocessing.get_context("spawn")
     worker_signalled, twin_signalled = context.Event(), context.Event()
     with signals.workers_start_blocked():

@@ -29,7 +29,7 @@ import train_graph
 import train_mp
 import train_mp_graphs
 from loop import cuda_graphs, flops
-from loop.reporting import EpochMeter
+from loop.meter import EpochMeter
 from task.optim import WarmupThenPlateau, cosine_with_warmup, make_capturable
 from tests.conftest import REPO_ROOT, free_port
 from utils import comm

@@ -1,4 +1,4 @@
-"""Validation counts every sample once (loop/reporting.validate, loaders/common.py ResumableSampler.real_samples).
+"""Validation counts every sample once (loop/validation.validate, loaders/common.py ResumableSampler.real_samples).
 
 Without drop_last the sharded sampler gives every rank as many samples by repeating the first ones of the order at
 the end (torch's DistributedSampler); validate weighs those repeats zero, so the validation means on N ranks are
@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from loaders.common import ResumableSampler, dali_installed, torch_loader
 from loaders.cosmo import CropSampler
-from loop import reporting
+from loop import validation
 from task.loss import get_loss, l2_loss
 from task.metrics import era5_valid_metrics, get_valid_metrics
 from tests.conftest import as_spawned_rank, free_port
@@ -59,7 +59,7 @@ def samples_loader(world, rank):
 
 def samples_means(world, rank):
     """validate() of the persistence model (the identity) on `samples_loader`: {"loss", "RMSE(u10m)/valid"}."""
-    return reporting.validate(torch.nn.Identity(), samples_loader(world, rank), lambda inp, tar: (inp, tar),
+    return validation.validate(torch.nn.Identity(), samples_loader(world, rank), lambda inp, tar: (inp, tar),
                               l2_loss, era5_valid_metrics, NO_AUTOCAST)[0]
 
 
@@ -83,7 +83,7 @@ def _rank(rank, port, out_dir):
                 if world == 2:
                     patch.setattr(comm, "all_reduce_sum", pair_sum)
                 weighted = samples_means(world, rank)
-                patch.setattr(reporting, "real_samples", lambda loader: math.inf)  # the twin: every row counts
+                patch.setattr(validation, "real_samples", lambda loader: math.inf)  # the twin: every row counts
                 results[world] = {"weighted": weighted, "padding_counted": samples_means(world, rank)}
     dist.barrier()
     if rank < 2:
@@ -173,7 +173,7 @@ def simulated_ranks(make_loader, world, model, loss_fn, metrics_fn, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setattr(comm, "all_reduce_sum", collect)
         for rank in range(world):
-            means = reporting.validate(model, make_loader(world, rank), lambda inp, tar: (inp, tar), loss_fn,
+            means = validation.validate(model, make_loader(world, rank), lambda inp, tar: (inp, tar), loss_fn,
                                        metrics_fn, NO_AUTOCAST)[0]
     return means
 
@@ -224,6 +224,6 @@ def test_the_loaders_on_simulated_ranks_report_one_ranks_means(in_repo_root, era
     one = simulated_ranks(make, 1, model, loss_fn, metrics_fn, monkeypatch)
     for world in (2, 3):
         assert_means_equal(simulated_ranks(make, world, model, loss_fn, metrics_fn, monkeypatch), one)
-    monkeypatch.setattr(reporting, "real_samples", lambda loader: math.inf)
+    monkeypatch.setattr(validation, "real_samples", lambda loader: math.inf)
     padding_counted = simulated_ranks(make, 3, model, loss_fn, metrics_fn, monkeypatch)
     assert padding_counted["loss"] != pytest.approx(one["loss"], rel=10 * RTOL)
