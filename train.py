@@ -29,11 +29,11 @@ from loop.profiling import CudaProfilerWindow, nvtx_range
 from loop.reporting import log_step0, log_training_epoch, log_validation, open_tensorboard
 from loop.validation import set_train_mode, validate
 from networks import get_model
+from resilience.exits import exit_on_user_error
 from task.loss import get_loss
 from task.metrics import get_train_metrics, get_valid_metrics
 from task.optim import get_lr_scheduler, get_optimizer
 from utils import comm
-from utils.errors import exit_on_user_error
 
 
 @exit_on_user_error

@@ -24,8 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from resilience.exits import exit_on_user_error
 from utils.atomic import write_json
-from utils.errors import ArgumentParser, exit_on_user_error
+from utils.errors import ArgumentParser
 
 MP_ACTIVATION = 16 * 4050 * 1024  # the mp config's (local batch 16) activations of one block: values
 MESSAGES = (  # (what, op, dtype, values)

@@ -28,8 +28,9 @@ import sys
 import time
 
 from benchmarks.common import REPO_ROOT, free_port, machine
+from resilience.exits import exit_on_user_error
 from utils.atomic import write_bytes, write_json
-from utils.errors import ArgumentParser, UserError, error_line, exit_on_user_error
+from utils.errors import ArgumentParser, UserError, error_line
 
 VIT_EPOCH_ITERS = 256  # the ViT demo config's num_iters at batch 8: 8 epochs of the default sample data
 

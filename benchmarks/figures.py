@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from resilience.exits import exit_on_user_error
+from utils.errors import ArgumentParser, UserError
 
 DPI = 100
 STAGES = {  # curves figure -> (stage folder of the example logs, title)

@@ -31,8 +31,9 @@ import sqlite3
 import sys
 from dataclasses import dataclass, field
 
+from resilience.exits import exit_on_user_error
 from utils.atomic import write_json
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.errors import ArgumentParser, UserError
 
 PARTS = ("attention", "gemm", "norm_elementwise", "optimizer", "copies", "data_loading", "communication")
 STEP = re.compile(r"^(?:step (\d+)|ProfilerStep#(\d+))$")

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils import comm, health
+from resilience import peers, store
+from utils import comm
 from utils.atomic import atomic_path, free_space
 from utils.errors import OneRankError, UserError
 
@@ -292,15 +293,15 @@ def load_on_every_rank(path, newest=False, check=None):
         except UserError as err:
             error = str(err)
         except Exception:  # a bug: its traceback on rank 0; the others stop instead of waiting for rank 0
-            comm.broadcast_from_rank0((path, None, None, True))
+            store.broadcast_from_rank0((path, None, None, True))
             raise
-    path, iteration, error, crashed = comm.broadcast_from_rank0((path, iteration_of(checkpoint), error, False))
+    path, iteration, error, crashed = store.broadcast_from_rank0((path, iteration_of(checkpoint), error, False))
     if crashed:
         sys.exit(2)
     if error:  # rank 0's reason: every rank stops as when every rank found it; rank 0 prints it
         raise UserError(error)
     if iteration is not None:  # what a rank that loses a peer from here on says the job resumes from
-        health.note_checkpoint(path, iteration)
+        peers.note_checkpoint(path, iteration)
     problem = None
     if rank != 0:
         checkpoint, problem = load_rank0s_choice(path, iteration)

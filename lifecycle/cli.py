@@ -4,9 +4,9 @@ import os
 
 import torch
 
-from utils import comm
 from utils.errors import ArgumentParser, UserError
-from utils.layout import Layout
+from utils.layout import Layout, dry_run_refusal
+from utils.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT
 from utils.workers import check_worker_count
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -20,11 +20,12 @@ def training_parser(description, one_process_dp=True):
     add = parser.add_argument
     add("--local_rank", "--local-rank", type=int, default=None,
         help="set by `python -m torch.distributed.launch`; LOCAL_RANK from the environment wins")
-    add("--dist_timeout", type=float, default=600,
-        help="seconds a rank waits for the others to join the process group before giving up")
-    add("--collective_timeout", type=float, default=600,
-        help="seconds a collective (a step's all-reduce, a validation sum) waits for the slowest rank before the job "
-             "stops; waits for rank 0's checkpoint write are not bounded by it")
+    add("--dist_timeout", type=float, default=DEFAULT_RENDEZVOUS_TIMEOUT,
+        help=f"seconds a rank waits for the others to join the process group before giving up (default "
+             f"{DEFAULT_RENDEZVOUS_TIMEOUT})")
+    add("--collective_timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT,
+        help=f"seconds a collective (a step's all-reduce, a validation sum) waits for the slowest rank before the job "
+             f"stops (default {DEFAULT_COLLECTIVE_TIMEOUT}); waits for rank 0's checkpoint write are not bounded by it")
     add("--run_num", type=str, default="00", help="tag for the experiment (leaf folder of the run directory)")
     add("--yaml_config", type=str, default="./config/ViT.yaml", help="YAML file of named configs")
     add("--config", type=str, default="base", help="name of the config inside the YAML file")
@@ -124,14 +125,14 @@ def model_parallel_parser(description):
 
 def ranks(text):
     """argparse type of --dry_run: a number of ranks, at least 1 and at most what a dry run stands in for
-    (utils/comm.DRY_RUN_MAX_RANKS), refused before anything is built."""
+    (utils/layout.DRY_RUN_MAX_RANKS), refused before anything is built."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks; give a whole number, at least 1")
-    too_large = comm.dry_run_refusal(value)
+    too_large = dry_run_refusal(value)
     if too_large:
         raise argparse.ArgumentTypeError(too_large)
     return value

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+import resilience
 from lifecycle import signals
 from lifecycle.checkpoint import (
     get_rng_states,
@@ -35,8 +36,10 @@ from lifecycle.kernels import (  # noqa: F401 (tests/models/ import the two chec
     select_attention_backend,
 )
 from lifecycle.run_lock import RunDirectoryLock
-from utils import comm, health
+from resilience import peers, store
+from utils import comm
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
+from utils.layout import Grid
 from utils.logging_utils import config_logger, log_to_file
 from utils.workers import WorkerStart
 from utils.YParams import YParams
@@ -80,12 +83,13 @@ class Run:
     resume_path: str = None
     checkpoint: dict = None
     rank: int = 0
+    grid: Grid = None  # the process grid comm.init returned (its layout, its groups)
     lock: RunDirectoryLock = None
     writer: SummaryWriter = None
     # what the loop and the loaders ask of the job, handed to them (loop/ and loaders/ import no job code)
     stop_signal: Callable = signals.agreed_in_loop  # at each step boundary (collective): the agreed signal, or None
     settle: Callable = signals.settle  # after the loop's last boundary: the agreements still in flight are read
-    resume_point: Callable = health.resume_point  # what a restart resumes from, in words (the lines that stop a run)
+    resume_point: Callable = peers.resume_point  # what a restart resumes from, in words (the lines that stop a run)
     worker_start: WorkerStart = signals.SIGNAL_PROOF_START  # loader workers started deaf to the stop signals
 
 
@@ -104,11 +108,12 @@ def _make_run_dir(exp_dir, model):
     return RunDirectoryLock(exp_dir, model)
 
 
-def start_run(args, params, layout):
-    """Flags into the config (batch sizes by the "dp" group), the device, the run directory
+def start_run(args, params, grid, layout):
+    """Flags into the config (batch sizes by the grid's "dp" group), the device, the run directory
     <expdir>/<config>/<layout>/<run_num>/ (locked; out.log; logs/) and the checkpoint to resume from.
-    Call after comm.init(); every rank calls it."""
-    apply_overrides(params, args, dp_size=comm.get_size("dp"), dp_rank=comm.get_rank("dp"))
+    `grid`: what comm.init() returned; every rank calls it. From here on the job is watched (resilience/)."""
+    resilience.attach(comm.get_store(), args.collective_timeout)  # one line when the job stops, not a hang
+    apply_overrides(params, args, dp_size=grid.size("dp"), dp_rank=grid.rank("dp"))
     signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
     register_cleanup(signals.uninstall)
     if args.parallel == "dp" and comm.get_world_size() > 1:
@@ -128,17 +133,17 @@ def start_run(args, params, layout):
         raise UserError("--dry_run measures one rank of a layout without training; drop --resume and --enable_benchy")
     if dry_run is not None:  # one rank of a layout, measured (planning/dry_run.py): it writes nothing
         signals.stop_before_training("start-up")
-        return Run(args, params, device, exp_dir=None, checkpoint_path=None, rank=comm.get_world_rank())
+        return Run(args, params, device, exp_dir=None, checkpoint_path=None, rank=comm.get_world_rank(), grid=grid)
     exp_dir = os.path.abspath(os.path.join(params.expdir, args.config, layout, args.run_num))
     params.experiment_dir = exp_dir
     checkpoint_path = os.path.join(exp_dir, "checkpoints", "ckpt.pt")
-    run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank())
-    run.lock = comm.on_rank0(lambda: _make_run_dir(exp_dir, params.get("model", "vit")))  # rank 0 creates, locks
+    run = Run(args, params, device, exp_dir, checkpoint_path, rank=comm.get_world_rank(), grid=grid)
+    run.lock = store.on_rank0(lambda: _make_run_dir(exp_dir, params.get("model", "vit")))  # rank 0 creates, locks
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration
-    own = comm.on_rank0(lambda: present(checkpoint_path) or present(previous_path(checkpoint_path)))
-    run.resume_path = comm.broadcast_from_rank0(checkpoint_path if own else args.resume)
+    own = store.on_rank0(lambda: present(checkpoint_path) or present(previous_path(checkpoint_path)))
+    run.resume_path = store.broadcast_from_rank0(checkpoint_path if own else args.resume)
     if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
         logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")
     if run.resume_path and not params.enable_benchy:
@@ -196,12 +201,12 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     rng_states = checkpoint["rng_states"]
     set_rng_states(rng_states[run.rank] if len(rng_states) == comm.get_world_size() else rng_states[0])
     start_iter = checkpoint["iteration"]
-    health.note_checkpoint(path, start_iter)
+    peers.note_checkpoint(path, start_iter)
     logging.info(f"Resumed from {path} at iteration {start_iter}")
     written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
-    if isinstance(written_at, dict) and written_at != dataclasses.asdict(comm.get_layout()):
+    if isinstance(written_at, dict) and written_at != dataclasses.asdict(run.grid.layout):
         grid = ", ".join(f"{name.upper()} = {written_at.get(name, '?')}" for name in ("dp", "tp", "cp"))
-        logging.info(f"The checkpoint was written at {grid}; resumed at {comm.get_layout().describe()}")
+        logging.info(f"The checkpoint was written at {grid}; resumed at {run.grid.describe()}")
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "
                      "pass a new --run_num (or raise --num_iters) to train again")
@@ -222,9 +227,9 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     state = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
-             "params": run.params.params, "layout": dataclasses.asdict(comm.get_layout())}  # the model is serial
-    comm.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
-    health.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
+             "params": run.params.params, "layout": dataclasses.asdict(run.grid.layout)}  # the model is serial
+    store.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
+    peers.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
     if signals.stopped_by():  # the stop's checkpoint: a signal from now on is ignored (signals.ending)
         signals.ending(signals.EXIT_CODE, at_once=False)
@@ -234,7 +239,7 @@ def finish_run(run):
     """The last lines of every run: close TensorBoard, wait for all ranks, say done, leave the process group,
     free the run directory; after a stop on a signal, exit with signals.EXIT_CODE. Once done is said, a signal ends
     the process at once with the run's own exit code (signals.ending), and the group's teardown cannot hang
-    (health.leave_process_group)."""
+    (utils/compat.leave_process_group)."""
     if run.writer is not None:
         run.writer.close()
         logging.info(f"TensorBoard logs: {os.path.join(run.exp_dir, 'logs')}  (tensorboard --logdir {run.exp_dir})")

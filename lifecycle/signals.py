@@ -25,8 +25,8 @@ A second Ctrl-C stops at once (KeyboardInterrupt), in one line, until the stop's
 on a signal is ignored in one line, and once the run's last line is said it ends the process at once with the
 run's own exit code (`ending`).
 
-This module imports no torch (it runs before torch's import); `agreed()` imports utils.comm when first asked. The
-training loop and the loaders do not import it: a run hands them what they ask (lifecycle/run.py's Run: the
+This module imports no torch (it runs before torch's import); `agreed()` imports resilience.host when first asked.
+The training loop and the loaders do not import it: a run hands them what they ask (lifecycle/run.py's Run: the
 agreement at each step boundary, the signal-proof start of loader workers, SIGNAL_PROOF_START).
 """
 import collections
@@ -48,7 +48,7 @@ INTERRUPTED = ("interrupted by a second Ctrl-C: stopped at once, without a check
 AGREEMENT_LAG = 2  # step boundaries between a rank's report of a signal and the stop all ranks agree on
 _state = {"received": None, "agreed": None, "pid": None, "early": False, "previous": {}, "waiting_in": None,
           "parent": None}
-_in_flight = collections.deque()  # agreements started at the last boundaries (utils.comm.HostMax), oldest first
+_in_flight = collections.deque()  # agreements started at the last boundaries (resilience.host.HostMax), oldest first
 
 
 def _record(signum, frame):
@@ -115,8 +115,8 @@ def uninstall():
 def agreed():
     """The name of the signal that stops the run ('SIGTERM', ...), or None: collective over every rank (the
     highest signal number any rank received), so all ranks stop at the same step boundary."""
-    from utils import comm  # here, not at the top: this module is imported before torch
-    number = comm.max_over_ranks_on_host(_state["received"] or 0)
+    from resilience import host  # here, not at the top: this module is imported before torch
+    number = host.max_over_ranks_on_host(_state["received"] or 0)
     if number:
         _state["agreed"] = signal.Signals(number).name
     return _state["agreed"]
@@ -144,9 +144,10 @@ def agreed_in_loop():
     """agreed() for the training loop's step boundaries, without a wait: this boundary's all-reduce is started and
     the one started AGREEMENT_LAG boundaries before is read (a single process reads its own at once). Every rank
     must ask at every boundary; the signal's name once the ranks agree on one, else None."""
+    from resilience import host
     from utils import comm
     _notice_a_dead_launcher()
-    _in_flight.append(comm.HostMax(_state["received"] or 0))
+    _in_flight.append(host.HostMax(_state["received"] or 0))
     lag = AGREEMENT_LAG if comm.get_world_size() > 1 and not comm.is_dry_run() else 0
     number = 0
     while len(_in_flight) > lag:

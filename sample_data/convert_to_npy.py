@@ -10,8 +10,9 @@ import sys
 import h5py
 import numpy as np
 
+from resilience.exits import exit_on_user_error
 from utils.atomic import atomic_path
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.errors import ArgumentParser, UserError
 
 # Planes along D converted at a time: the slab, not the whole box, has to fit in memory.
 SLAB_BYTES = 256 * 2**20

@@ -7,11 +7,14 @@ data-parallel replica, so there it is the whole world). Reductions take the grou
 A model-parallel script passes its layout (utils/layout.py: built once from the flags; the original's
 init({"tp": 2, "cp": 2, "order": "tp-cp-dp"}) works too): the ranks are laid out on a tp x cp x dp grid (the first
 name of the order varies fastest; see utils/rank_generator.py) and the groups "dp", "tp", "cp", "tp-cp" and
-"dp-cp" are built. A layout that does not divide the world is refused before the rendezvous, in one line; the
-model's own rules (heads, MLP width, tokens) are the layout's too, checked when the model is built.
+"dp-cp" are built. init returns the run's Grid (utils/layout.py: the layout and each group's size, rank and process
+group), which the script hands down to whatever splits the model; nothing below fetches it back. A layout that does
+not divide the world is refused before the rendezvous, in one line; the model's own rules (heads, MLP width, tokens)
+are the layout's too, checked when the model is split (distributed/parallelize.py).
 Unknown group names have size 1 and rank 0, so code written for tp and cp also runs without them.
+What keeps the job healthy (rank 0's posts in the rendezvous store, the host's maxima, the one line when a rank fails)
+is resilience/, attached after init with the store init keeps (get_store); nothing here imports it.
 """
-import contextlib
 import datetime
 import logging
 import math
@@ -20,19 +23,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from utils import health, rendezvous
-from utils.compat import ddp_buffer_sync, join_fake_process_group  # noqa: F401 (ddp_buffer_sync: for the scripts)
-from utils.errors import OneRankError, UserError, register_cleanup
-from utils.health import world_size_to_be
-from utils.layout import Layout
+from utils import rendezvous
+from utils.compat import ddp_buffer_sync, leave_process_group  # noqa: F401 (ddp_buffer_sync: for the scripts)
+from utils.errors import OneRankError, UserError
+from utils.layout import GROUP_SIZES, Axis, Grid, Layout
+from utils.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, world_size_to_be
 
-DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start
-DEFAULT_COLLECTIVE_TIMEOUT = 600  # seconds a collective waits for every rank (torch's default for NCCL, 10 minutes)
-_groups = {}
-_layout = {"now": Layout()}  # this run's layout (serial until init)
-GROUP_TYPES = ("dp", "tp", "cp", "tp-cp", "dp-cp")  # built, in this order, on every rank
-_host = {}  # "group": every rank over gloo (CPU tensors), for flags the host reads (not a named group);
-# "timeout": --collective_timeout (seconds). The rendezvous store and what keeps the job healthy: utils/health.py
+_groups = {}  # name -> Axis of this rank (utils/layout.py), built by init from the layout's numbers
+GROUP_TYPES = tuple(GROUP_SIZES)  # built, in this order, on every rank
+_joined = {}  # "host": every rank over gloo (CPU tensors), for flags the host reads (not a named group);
+# "timeout": --collective_timeout (seconds); "store": the rendezvous store (get_store)
 
 
 def get_world_size():
@@ -49,17 +49,17 @@ def get_local_rank():
 
 def get_group(name):
     """The named process group (None, i.e. the world, when not distributed)."""
-    return _groups.get(name)
+    return _groups[name].group if name in _groups else None
 
 
 def get_size(name):
     """Size of the named group (1 when not distributed or the group is unknown)."""
-    return dist.get_world_size(_groups[name]) if dist.is_initialized() and name in _groups else 1
+    return _groups[name].size if name in _groups else 1
 
 
 def get_rank(name):
     """This process's rank inside the named group (0 when not distributed or unknown)."""
-    return dist.get_rank(_groups[name]) if dist.is_initialized() and name in _groups else 0
+    return _groups[name].rank if name in _groups else 0
 
 
 def get_names():
@@ -72,39 +72,26 @@ def is_initialized(name):
     return name in _groups
 
 
-def get_layout():
-    """This run's Layout (utils/layout.py): tp, cp, dp, order and the memory switches (all 1 before init)."""
-    return _layout["now"]
-
-
-@contextlib.contextmanager
-def serial_layout():
-    """Within the block every named group has size 1 and the layout is serial, as in a single process: builds the
-    serial model on a rank of any layout (to count the model's FLOPs, say), without a collective."""
-    saved, saved_layout = dict(_groups), _layout["now"]
-    _groups.clear()
-    _layout["now"] = Layout()
-    try:
-        yield
-    finally:
-        _groups.update(saved)
-        _layout["now"] = saved_layout
-
-
-def _build_groups(generator):
+def _build_groups(layout):
     """Create every group of each type on every rank (new_group is collective: all ranks call it for every
-    list, in the same order) and keep, under its type's name, the one holding this rank. A list that is the
-    whole world reuses the world group (so train.py's "dp" stays the world, as for DDP before)."""
+    list, in the same order) and keep, under its type's name, the one holding this rank with its size and this
+    rank's place from the layout's numbers, checked once against the group itself. A list that is the whole world
+    reuses the world group (so train.py's "dp" stays the world, as for DDP before)."""
     world, rank = list(range(dist.get_world_size())), dist.get_rank()
-    timeout = datetime.timedelta(seconds=_host.get("timeout", DEFAULT_COLLECTIVE_TIMEOUT))  # the world's, too
+    timeout = datetime.timedelta(seconds=_joined.get("timeout", DEFAULT_COLLECTIVE_TIMEOUT))  # the world's, too
+    generator = layout.grid()
     for name in GROUP_TYPES:
         for ranks in generator.get_ranks(name):
             group = dist.group.WORLD if ranks == world else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                _groups[name] = group
+                _groups[name] = Axis(name, GROUP_SIZES[name](layout), sorted(ranks).index(rank), group)
+                held = (dist.get_world_size(group), dist.get_rank(group))  # the layout's numbers are the group's
+                if held != (_groups[name].size, _groups[name].rank):
+                    raise ValueError(f"group '{name}': this rank is {held[1]} of {held[0]}, the layout says "
+                                     f"{_groups[name].rank} of {_groups[name].size}")
     # host-side flags (lifecycle/signals.py) go through gloo, so that reading them never waits for the GPU
-    _host["group"] = (dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() == "nccl"
-                      else dist.group.WORLD)
+    _joined["host"] = (dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() == "nccl"
+                       else dist.group.WORLD)
 
 
 def gpus_expected():
@@ -142,24 +129,13 @@ def get_device():
     return torch.device("cpu")
 
 
-def gpu_id(device):
-    """What tells this GPU apart from the others of its node (its UUID; '' on the CPU)."""
-    if device.type != "cuda":
-        return ""
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"index {device.index}"
-
-
-def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_rank=None,
-         collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT):
+def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT):
     """Join the process group when WORLD_SIZE > 1 (utils/rendezvous.py: waiting at most `rendezvous_timeout`
     seconds for the other ranks; every collective of every group then waits at most `collective_timeout` seconds
     for the others, after which the job stops in one line) and build the groups of the tp x cp x dp grid of
-    `layout`: a Layout (train_mp.py),
-    a dict or config with "tp", "cp", "order" (the original `comm.init(params)`), or None: every rank is one
-    replica and "dp" is the world (train.py). With `dry_run_rank` this one process is that rank of the layout's
-    world and the other ranks are stand-ins (join_dry_run). Returns (world size, world rank, local rank)."""
-    if dry_run_rank is not None:
-        join_dry_run(layout, dry_run_rank)  # the process group is then joined: the groups are built below
+    `layout`: a Layout (train_mp.py), a dict or config with "tp", "cp", "order" (the original `comm.init(params)`),
+    or None: every rank is one replica and "dp" is the world (train.py). A process group joined before (a dry run's
+    stand-ins, planning/dry_run.py) is used as it is. Returns the run's Grid (utils/layout.py)."""
     world_size = world_size_to_be()
     # checked before the rendezvous, so that every rank stops at once with the same line (a Layout was checked when
     # it was built for this world)
@@ -168,67 +144,41 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, dry_run_ran
             raise ValueError(f"the layout is for {layout.world_size} ranks, the job has {world_size}")
     else:
         layout = Layout.from_dict(layout if layout is not None else {}, world_size)
-    generator = layout.grid()
     if not (math.isfinite(collective_timeout) and collective_timeout > 0):
         raise UserError(f"--collective_timeout is {collective_timeout:g}; give the seconds a collective may wait "
-                        "for the other ranks (default 600)")
+                        f"for the other ranks (default {DEFAULT_COLLECTIVE_TIMEOUT})")
     _groups.clear()
-    _host["timeout"] = collective_timeout
-    _layout["now"] = layout
+    _joined["timeout"] = collective_timeout
     if world_size > 1 and not dist.is_initialized():
         settings = rendezvous.launch_settings(world_size, rendezvous_timeout)  # checked before a GPU is touched
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        store = rendezvous.init_process_group(settings, world_size, "nccl" if device.type == "cuda" else "gloo",
-                                              gpu_id(device), rendezvous_timeout, collective_timeout)
-        health.watch(store, collective_timeout, forget_groups)  # one line when the job stops, not a hang
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        _joined["store"] = rendezvous.init_process_group(settings, world_size, backend, rendezvous.gpu_id(device),
+                                                         rendezvous_timeout, collective_timeout)
     if dist.is_initialized():
-        _build_groups(generator)
+        _build_groups(layout)
     if get_world_rank() == 0:
         logging.info(f"Setting {layout.describe()}")
-    return get_world_size(), get_world_rank(), get_local_rank()
+    return Grid(layout, _groups)
 
 
-# A dry run builds every process group of its world in this one process (_build_groups: about 0.1 ms and 0.3 KB a
-# rank on a CPU core; 2^17 ranks take about 10 s, 10^8 ranks would take hours and over 20 GB): 2^17 = 131072 ranks,
-# above the largest GPU jobs run today (about 100,000 GPUs), is as many as it stands in for.
-DRY_RUN_MAX_RANKS = 2 ** 17
+def get_store():
+    """The rendezvous store init met the other ranks in (None without one: a single process, a process group joined
+    before init, as a dry run's): resilience.attach keeps rank 0's posts and the ranks' notes in it."""
+    return _joined.get("store")
 
 
-def dry_run_refusal(world_size):
-    """Why a dry run of `world_size` ranks cannot run (one line without the flag's name), or None."""
-    if world_size > DRY_RUN_MAX_RANKS:
-        return (f"{world_size} ranks is more than a dry run stands in for: it builds every process group of the "
-                f"layout in this one process (about 0.1 ms a rank), so it takes at most {DRY_RUN_MAX_RANKS} ranks "
-                "(2^17, more than the largest GPU jobs); give a smaller N")
-    return None
-
-
-def join_dry_run(layout, rank):
-    """Join, as rank `rank` of the Layout `layout` (train_mp.py --dry_run), a process group of torch's fake backend
-    (utils/compat.py: its collectives return at once and move no data), alone: with the grid's groups (init) every
-    kernel this rank runs is real and every tensor it holds has its real shape; the values that cross ranks are
-    meaningless."""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or dist.is_initialized():
-        raise UserError("--dry_run runs one process standing for the whole layout; start it with python, not "
-                        "torchrun or srun with several tasks")
-    too_large = dry_run_refusal(layout.world_size)
-    if too_large:
-        raise UserError(f"--dry_run {too_large}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
-        raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
-                        f"{layout.world_size - 1}")
-    logging.info(f"Dry run: rank {rank} of {layout.world_size} ({layout.describe()}) in this one process; the "
-                 "other ranks are stand-ins whose collectives move no data, so the numbers it computes are "
-                 "meaningless: no checkpoint, no TensorBoard, no check for nan; memory is this rank's, time is "
-                 "compute only")
-    join_fake_process_group(rank, layout.world_size)
-    register_cleanup(destroy)  # a refusal after this point leaves no process group behind (a finished run: no-op)
+def get_host_group():
+    """Every rank over gloo (CPU tensors): the group of the host's collectives (resilience/host.py), which never
+    wait for the GPU. None before init."""
+    return _joined.get("host")
 
 
 def is_dry_run():
-    """Whether the other ranks are stand-ins (join_dry_run): objects are then not exchanged, only tensors' shapes."""
+    """Whether the other ranks are stand-ins (planning/dry_run.join): objects are then not exchanged, only tensors'
+    shapes."""
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
@@ -244,44 +194,6 @@ def all_reduce_mean(tensor, group="dp"):
     return all_reduce_sum(tensor, group) / get_size(group)
 
 
-def max_over_ranks_on_host(value):
-    """The largest integer `value` over every rank (collective), through gloo on the host: no device sync."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_host.get("group"))
-    return int(tensor.item())
-
-
-class HostMax:
-    """max_over_ranks_on_host(value), started now and read later: the all-reduce runs in gloo's own thread while
-    the rank goes on (lifecycle/signals.py starts one at a step boundary and reads it some boundaries later, so no
-    step waits for it). Every rank must start the same sequence of them; a single process's is its own value."""
-
-    def __init__(self, value):
-        self.tensor = torch.tensor([value], dtype=torch.int64)
-        self.work = None
-        if dist.is_initialized() and dist.get_world_size() > 1 and not is_dry_run():
-            self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, group=_host.get("group"), async_op=True)
-
-    def wait(self):
-        """The largest value over every rank (waits for the all-reduce if it has not finished)."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return int(self.tensor.item())
-
-
-def gather_on_host(value):
-    """Every rank's `value` (a small picklable object) in rank order, on every rank: one collective over the host's
-    gloo group, for start-up checks that the ranks agree. [value] in one process or a dry run."""
-    if not dist.is_initialized() or is_dry_run():
-        return [value]
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=_host.get("group"))
-    return values
-
-
 def all_reduce_min(tensor):
     """Minimum over every rank (an agreement all ranks act on, e.g. to stop together)."""
     if dist.is_initialized():
@@ -289,57 +201,22 @@ def all_reduce_min(tensor):
     return tensor
 
 
-def on_rank0(action):
-    """`action()` on rank 0 alone (its result there, None elsewhere). If it raises a UserError every rank raises
-    it, instead of the others waiting forever at their next collective. The others wait for rank 0 on the host
-    (broadcast_from_rank0), as long as the action takes: a checkpoint written to a slow file system is not bounded
-    by --collective_timeout."""
-    result, error = None, None
-    if get_world_rank() == 0:
-        try:
-            result = action()
-        except UserError as err:
-            error = str(err)
-    error = broadcast_from_rank0(error)
-    if error:
-        health.until_read_after_error()  # rank 0's process may hold the store: it stays up until the others read
-        raise UserError(error)
-    return result
-
-
-
-
-def broadcast_from_rank0(obj):
-    """Rank 0's `obj` on every rank (a picklable Python object); the others wait until rank 0 gets here. Through
-    the rendezvous store where there is one (torchrun or srun): rank 0 posts it and goes on, the others poll the
-    store on the host, however long rank 0 takes (a checkpoint write, a dataset download), without a collective
-    that --collective_timeout (NCCL's watchdog) would end (utils/health.py). Without a store (a dry run, a process
-    group made elsewhere, torchrun's agent that held it gone) a collective broadcast."""
-    if not dist.is_initialized() or is_dry_run():
-        return obj
-    if health.has_store():
-        return health.post_from_rank0(obj)
-    objects = [obj]
-    dist.broadcast_object_list(objects, src=0)
-    return objects[0]
-
-
 def forget_groups():
-    """Drop the named groups and the host's group (a rank leaving the job on a failure: utils/health.py)."""
+    """Drop the named groups and the host's group (destroy, or a rank leaving the job on a failure:
+    resilience/peers.py)."""
     _groups.clear()
-    _host.pop("group", None)
+    _joined.pop("host", None)
 
 
 def destroy():
-    """Leave the process group and forget the named groups and the grid (a single process's again): a subgroup kept
-    alive after the world is destroyed keeps gloo's threads running until the interpreter exits, which can abort it
-    ("terminate called..."). The groups' backends are torn down without the GIL (health.leave_process_group)."""
-    _groups.clear()
-    health.forget()
-    _host.clear()
-    _layout["now"] = Layout()
+    """Leave the process group and forget the named groups, the host's group and the store (a single process's
+    again): a subgroup kept alive after the world is destroyed keeps gloo's threads running until the interpreter
+    exits, which can abort it ("terminate called..."). The groups' backends are torn down without the GIL
+    (utils/compat.leave_process_group)."""
+    forget_groups()
+    _joined.clear()
     if dist.is_initialized():
-        health.leave_process_group()
+        leave_process_group()
 
 
 def synchronize(device):

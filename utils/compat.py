@@ -7,6 +7,7 @@ import contextlib
 import inspect
 
 import torch
+import torch.distributed as dist
 
 from utils.errors import UserError
 
@@ -44,7 +45,6 @@ def join_fake_process_group(rank, world_size):
     at once and move no data (an all-gather copies this rank's input into every slot, an all-reduce leaves the
     tensor as it is). Both versions keep it in torch.testing._internal (2.5 and 2.14); importing FakeStore registers
     the backend."""
-    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
@@ -58,3 +58,28 @@ def ddp_buffer_sync(every_forward):
     parameters = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers": every_forward}
 
+
+
+def _backends():
+    """The backend (gloo's, NCCL's) of every process group of this process, each as a Python object of its own."""
+    found = []
+    for group in list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})):
+        for device in ("cpu", "cuda"):
+            with contextlib.suppress(Exception):  # no backend for that device (or none at all: the fake one)
+                backend = group._get_backend(torch.device(device))
+                if all(backend is not other for other in found):
+                    found.append(backend)
+    return found
+
+
+def leave_process_group():
+    """dist.destroy_process_group(), with each group's backend torn down without the GIL. Tearing gloo down joins
+    its worker threads, and a worker may need the GIL to finish its last work: to free a tensor Python has let go
+    of (the work's reset, just after the rank's wait returned), or to run a Python callback of its future. Torch
+    2.5's ProcessGroup keeps the GIL while it is destroyed (torch 2.14's lets it go), so a rank whose worker was
+    still that late hung for good in destroy_process_group, deaf to SIGTERM (a Python handler needs the GIL too).
+    Held here, each backend outlives its ProcessGroup and goes last, from a Python object whose teardown lets the
+    GIL go (torch's own holder for backends): the worker takes the GIL, finishes, and the join returns."""
+    backends = _backends()
+    dist.destroy_process_group()
+    backends.clear()  # the last references: gloo's threads are joined here, without the GIL

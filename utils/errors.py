@@ -1,7 +1,8 @@
-"""User mistakes end in one clear line and a non-zero exit, never a traceback; one line per job, not one per rank."""
+"""User mistakes end in one clear line and a non-zero exit, never a traceback: the errors (UserError, OneRankError),
+their messages (a full disk, a child process's last line), the one-line argument parser and the cleanups. The
+decorator that says them, once per job, not once per rank (exit_on_user_error), is resilience/exits.py's."""
 import argparse
 import errno
-import functools
 import os
 import re
 import shutil
@@ -9,27 +10,24 @@ import sys
 
 _cleanups = []
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# what a collective raises on a rank whose peer is gone (gloo's sockets closed by the peer's exit or abort; NCCL's
-# communicator aborted, or its watchdog's timeout)
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
-             "NCCL communicator")
-# a collective waited longer than its group's timeout (--collective_timeout): gloo's words (a recv's wait; a pair of
-# sockets closed by the timeout, as in DDP's all-reduce), NCCL's watchdog's
-TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation "
-             "timeout")
-_job = {}  # "announce": a OneRankError to the other ranks, then leave; "explain": a lost peer in one line or None
 
 
 def register_cleanup(function):
-    """Call `function` when the main function wrapped by exit_on_user_error returns or fails (e.g. to release
-    a run-directory lock even when the run stops with an error)."""
+    """Call `function` when the main function wrapped by exit_on_user_error (resilience/exits.py) returns or fails
+    (e.g. to release a run-directory lock even when the run stops with an error)."""
     _cleanups.append(function)
+
+
+def run_cleanups():
+    """Call the registered cleanups, the last registered first (exit_on_user_error, once the main function ended)."""
+    while _cleanups:
+        _cleanups.pop()()
 
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, missing data, sizes that do not divide). Every rank reads the same
     flags, config and files, so every rank should find it: one rank prints it, rank 0 where it finds it too (every
-    rank exits with code 2; stop_in_one_line)."""
+    rank exits with code 2; resilience/exits.stop_in_one_line)."""
 
 
 class OneRankError(UserError):
@@ -37,80 +35,10 @@ class OneRankError(UserError):
     GPU or shared memory): printed by the rank that finds it, whatever its rank, naming the rank."""
 
 
-def on_job_failures(announce=None, explain=None, claim=None):
-    """utils/comm.py, once in a process group: `announce(message)` tells the other ranks that this rank stops on a
-    OneRankError (and leaves the group, so that they stop at once instead of waiting in a collective);
-    `explain(err)` turns a collective that failed because a peer is gone into this rank's one line, or None when the
-    peer said why itself (its line is the job's last word); `claim()`: whether this rank is the one to say the
-    UserError it stops on (stop_in_one_line). Without arguments (the group left): forget them."""
-    _job.clear()
-    if announce is not None:
-        _job.update(announce=announce, explain=explain, claim=claim)
-
-
-def lost_peer(err):
-    """Whether `err` is a collective's failure because another rank is gone or too slow (TIMED_OUT)."""
-    return isinstance(err, RuntimeError) and any(pattern in str(err) for pattern in PEER_LOST + TIMED_OUT)
-
-
 def prints_here(err):
     """Whether this process prints `err`: rank 0 ($RANK, set by torchrun and export_DDP_vars.sh), or the rank
     that found a OneRankError."""
     return isinstance(err, OneRankError) or os.environ.get("RANK", "0") == "0"
-
-
-def exit_on_user_error(main):
-    """Run `main`; turn a UserError into `error: <message>` on stderr (where prints_here says) and exit code 2;
-    run the cleanups."""
-
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except OSError as err:
-            if err.errno not in DISK_FULL:
-                raise
-            # a writer without its own message (TensorBoard's event files, a benchmark's output, ...), on this rank
-            stop_in_one_line(disk_full(err), found_here=True)
-        except UserError as err:
-            stop_in_one_line(one_line(err), found_here=isinstance(err, OneRankError))
-        except RuntimeError as err:
-            if not lost_peer(err) or "explain" not in _job:
-                raise
-            line = _job["explain"](err)
-            if line:
-                print(f"error: {line}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        finally:
-            while _cleanups:
-                _cleanups.pop()()
-
-    return wrapper
-
-
-def stop_in_one_line(message, found_here):
-    """Print `message` as the job's one `error:` line where it belongs, and exit with code 2. `found_here`: this
-    rank's own finding (a OneRankError, its disk full): it prints it, naming its rank in a job of several, and
-    tells the others (announce), which then stop at once instead of waiting in a collective. Else a UserError that
-    every rank should find alike: before the ranks meet, rank 0 prints it; once they share a store, the first rank
-    to claim it (rank 0 first, when it finds it too) prints it and tells the others, so that an error only one
-    node's ranks find (a missing mount) is said as well, once."""
-    several = os.environ.get("WORLD_SIZE", "1") != "1"
-    rank = os.environ.get("RANK", "0")
-    if not found_here:
-        if _job.get("claim") is None or not several:
-            if rank == "0":
-                print(f"error: {message}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        if not _job["claim"]():
-            sys.exit(2)  # another rank says it
-        found_here = rank != "0"  # rank 0's line needs no name (it is the line of a job without a store)
-    if found_here and several and not message.startswith("rank "):
-        message = f"rank {rank}: {message}"  # which of the job's ranks found it
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    if "announce" in _job:
-        _job["announce"](message)  # the others stop now, not at NCCL's timeout
-    sys.exit(2)
 
 
 def free_space(folder):

@@ -3,7 +3,9 @@ sockets, a rank 0 that never comes, another job's rank 0 on the same port, two r
 restarts. Every failure a user can cause ends in one line (UserError).
 
 The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout bounds every collective afterwards
-(--collective_timeout).
+(--collective_timeout); both defaults are here (DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT). Its checks
+run before the process group exists, inside comm.init; what watches the job once it runs (rank 0's heartbeat, the
+one line when a rank fails or times out) is resilience/, attached after comm.init.
 """
 import datetime
 import logging
@@ -17,6 +19,15 @@ import torch
 import torch.distributed as dist
 
 from utils.errors import OneRankError, UserError
+
+DEFAULT_RENDEZVOUS_TIMEOUT = 600  # seconds a rank waits for the others to start (--dist_timeout)
+DEFAULT_COLLECTIVE_TIMEOUT = 600  # seconds a collective waits for every rank (--collective_timeout; torch's default
+# for NCCL, 10 minutes)
+
+
+def world_size_to_be():
+    """The number of ranks of this job: the process group's once joined, else the launcher's WORLD_SIZE."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
 def launch_settings(world_size, timeout_s):
@@ -68,13 +79,13 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
                          "(a socket to every other rank)")
 
 
-def init_process_group(settings, world_size, backend, gpu, timeout_s, collective_timeout_s=600):
+def init_process_group(settings, world_size, backend, gpu, timeout_s, collective_timeout_s=DEFAULT_COLLECTIVE_TIMEOUT):
     """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
     `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
     process group, whose collectives wait at most `collective_timeout_s` seconds. NCCL is told this rank's GPU
     (`device_id`): its communicator is then made now, not at the first collective, and every subgroup is split from
-    it instead of each bootstrapping its own over the network. Returns the rendezvous store (the ranks' notes when
-    one of them fails: utils/comm.py)."""
+    it instead of each bootstrapping its own over the network. Returns the rendezvous store (comm.get_store: where
+    resilience/ keeps rank 0's posts and the ranks' notes when one of them fails)."""
     rank, addr, port = settings
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     raise_open_file_limit(world_size, rank, hosts_store=not agent_store)
@@ -142,6 +153,13 @@ def store_poll_pause(world_size, fastest, requests=1):
     """Seconds between a rank's looks at the store (each `requests` requests) while `world_size` ranks look alike:
     `fastest` for a small job, longer past STORE_POLLS_PER_S (0.05 s for 8 ranks, 0.41 s for 4,096)."""
     return max(fastest, world_size * requests / STORE_POLLS_PER_S)
+
+
+def gpu_id(device):
+    """What tells this GPU apart from the others of its node (its UUID; '' on the CPU)."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", "")) or f"index {device.index}"
 
 
 def check_one_rank_per_gpu(store, world_size, gpu, timeout, host=None):

@@ -127,6 +127,7 @@ def private_imports(root):
 # training script); the scripts and tests/ sit on top. A new package must be placed here.
 TIERS = [
     ("utils",),  # the foundation: errors and files, the config file, the process grid and its layout
+    ("resilience",),  # job health: rank 0's heartbeat and posts, the one line when a rank fails (watches utils/)
     ("lifecycle", "task"),  # a run's life (flags, signals, checkpoints); the loss, metrics and optimizers
     ("distributed",),  # the tensor- and context-parallel layers and what wraps a model for parallelism
     ("networks", "loaders"),  # the models; the data loaders

@@ -4,7 +4,8 @@ host, in the rendezvous store, however long it takes, so a slow file system does
 each rank's GPU when the process group is made (`device_id`). Plain processes over gloo (each rank's exit code and
 output), the slowness injected by a script written into the test's folder (no switch in the product's code).
 
-A failure points to utils/comm.py (broadcast_from_rank0, explain_timeout, _build_groups) or utils/rendezvous.py.
+A failure points to resilience/store.py (broadcast_from_rank0), resilience/peers.py (explain_timeout), utils/comm.py
+(_build_groups) or utils/rendezvous.py.
 """
 import datetime
 import signal
@@ -51,14 +52,14 @@ loaders.era5.ERA5Dataset.read_into = read_into
 lifecycle.run.save_checkpoint = save_checkpoint
 if {collective_wait}:
     import torch.distributed as dist
-    import utils.comm
+    import resilience.store
 
     def broadcast_from_rank0(obj):
         objects = [obj]
         dist.broadcast_object_list(objects, src=0)
         return objects[0]
 
-    utils.comm.broadcast_from_rank0 = broadcast_from_rank0
+    resilience.store.broadcast_from_rank0 = broadcast_from_rank0
 train.main(sys.argv[1:])
 """
 
@@ -174,7 +175,8 @@ def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
     did not mark themselves within the census (rank 1, stalled; none when every rank reached the collective, the
     old line then) and marks itself the failing one; the others say nothing (the slow rank then finds the failing
     note and stays quiet too). gloo's two wordings are both timeouts."""
-    from utils import health
+    from resilience import job, peers
+    from utils import comm
 
     class Store:
         def __init__(self):
@@ -193,17 +195,17 @@ def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):
     for errors, stalled in [(["Timed out waiting 5000ms for recv"] * 2, [1]),
                             (["Application timeout caused pair closure"] * 2, [])]:
         store = Store()
-        monkeypatch.setitem(health._job, "store", store)
-        monkeypatch.setitem(health._job, "timeout", 5.0)
-        monkeypatch.setattr(health, "world_size_to_be", lambda: 4)
-        monkeypatch.setattr(health, "linger_for_the_others", lambda store, world: None)
-        monkeypatch.setattr(health, "LOST_PEER_CENSUS_S", 0.2)
+        monkeypatch.setitem(job.notes, "store", store)
+        monkeypatch.setitem(job.notes, "timeout", 5.0)
+        monkeypatch.setattr(comm, "world_size_to_be", lambda: 4)
+        monkeypatch.setattr(peers, "linger_for_the_others", lambda store, world: None)
+        monkeypatch.setattr(peers, "LOST_PEER_CENSUS_S", 0.2)
         for other in set(range(4)) - set(stalled) - {2}:  # they wait in the collective too, and time out
-            health.mark_alive(store, other)
+            peers.mark_alive(store, other)
         said = []
         for rank, error in zip((2, 3), errors):
-            monkeypatch.setattr(health, "world_rank", lambda rank=rank: rank)
-            said.append(health.explain_lost_peer(RuntimeError(f"[unbound_buffer.cc:78] {error}")))
+            monkeypatch.setattr(comm, "get_world_rank", lambda rank=rank: rank)
+            said.append(peers.explain_lost_peer(RuntimeError(f"[unbound_buffer.cc:78] {error}")))
         if stalled:  # rank 1 never reached it
             assert said[0].startswith("rank 2: rank 1 did not reach a collective within --collective_timeout (5 s) "
                                       "(stopped, or stuck"), said
@@ -240,25 +242,27 @@ class PollStore:
 @pytest.mark.parametrize("beating", [False, True])
 def test_a_rank_waiting_for_rank_0_gives_up_when_its_heartbeat_stops(monkeypatch, beating):
     """Under torchrun the agent holds the store, so a dead rank 0 does not take it along: a rank waiting for rank 0's
-    post gives up (as a lost peer: utils/errors.py's one line) once rank 0's heartbeat has not moved for
+    post gives up (as a lost peer: resilience/exits.py's one line) once rank 0's heartbeat has not moved for
     RANK0_SILENT_S. The twin: a beating rank 0 that takes long (a slow checkpoint write) is waited for, and its post
     read."""
-    from utils import comm, health
+    from resilience import job
+    from resilience import store as job_store
+    from utils import comm
     monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "is_dry_run", lambda: False)
-    monkeypatch.setattr(health, "world_rank", lambda: 1)
-    monkeypatch.setattr(health, "world_size_to_be", lambda: 2)
-    monkeypatch.setattr(health, "RANK0_SILENT_S", 0.3)
-    monkeypatch.setattr(health, "RANK0_POLL_S", (0.01, 0.01))
+    monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 2)
+    monkeypatch.setattr(job_store, "RANK0_SILENT_S", 0.3)
+    monkeypatch.setattr(job_store, "RANK0_POLL_S", (0.01, 0.01))
     store = PollStore(beating, post_after=None if not beating else 100)  # 100 looks: about 1 s, over 0.3 s
-    monkeypatch.setitem(health._job, "store", store)
-    monkeypatch.setitem(health._job, "posts", 0)
+    monkeypatch.setitem(job.notes, "store", store)
+    monkeypatch.setitem(job.notes, "posts", 0)
     if beating:
-        assert comm.broadcast_from_rank0(None) == "rank 0's answer"
+        assert job_store.broadcast_from_rank0(None) == "rank 0's answer"
         assert store.values["rank0_post/1/read"] == 1  # rank 0 may wait for this before it exits on an error
     else:
         with pytest.raises(RuntimeError, match="Connection closed by peer: rank 0's heartbeat stopped 0.3 s ago"):
-            comm.broadcast_from_rank0(None)
+            job_store.broadcast_from_rank0(None)
 
 
 # rank 0 of a job, reduced to its heartbeat: the thread beats as fast as it can (so that it is inside the store's
@@ -268,13 +272,13 @@ HEARTBEAT_EXIT = """\
 import atexit, datetime, sys, time
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-from utils import comm, health
-health.RANK0_BEAT_S = 0.0
+from resilience import job, watch
+watch.RANK0_BEAT_S = 0.0
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
-health._job["store"] = store
-health._beat_while_alive(store)
+job.notes["store"] = store
+watch._beat_while_alive(store)
 if {unprotected}:
-    atexit.unregister(health._stop_heartbeat)
+    atexit.unregister(watch._stop_heartbeat)
 time.sleep(0.05)
 assert store.add("rank0_beat", 0) > 10, "the heartbeat did not beat"
 sys.exit(2)
@@ -308,14 +312,14 @@ STOPPED_SCRIPT = """\
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import torch
-import utils.errors
-import utils.health
+import resilience.peers
+import resilience.watch
 import train
 
 if {old_wording}:  # gloo's "Application timeout caused pair closure" (DDP's all-reduce) not taken for a timeout
-    utils.errors.TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
+    resilience.peers.TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 if {no_freeze_watch}:  # a rank woken after a stop does not know it was stopped
-    utils.health.was_frozen = lambda: False
+    resilience.watch.was_frozen = lambda: False
 backwards, real_backward = [0], torch.autograd.backward
 
 
@@ -410,15 +414,14 @@ def test_gloos_pair_closure_is_a_timeout_said_in_one_line(monkeypatch, capsys, r
     the pair of sockets works (seen in DDP's all-reduce under a stopped rank, not every time), "Application timeout
     caused pair closure". Both end in the project's line and exit 2. Twin, the old list of wordings: the second is a
     RuntimeError's traceback (as the probe saw: exit 1)."""
-    from utils import errors, health
-    monkeypatch.setattr(errors, "_job", {})
-    monkeypatch.setattr(health, "explain_timeout", lambda rank, world: f"rank {rank}: timed out (stand-in)")
-    monkeypatch.setattr(health, "was_frozen", lambda: False)
-    errors.on_job_failures(health.announce_failure, health.explain_lost_peer, health.claim_user_error)
+    from resilience import exits, job, peers, watch
+    monkeypatch.setattr(job, "notes", {"attached": True})  # a job watched (resilience.attach), without a store
+    monkeypatch.setattr(peers, "explain_timeout", lambda rank, world: f"rank {rank}: timed out (stand-in)")
+    monkeypatch.setattr(watch, "was_frozen", lambda: False)
     if not read:
-        monkeypatch.setattr(errors, "TIMED_OUT", ("Timed out waiting", "Watchdog caught collective operation timeout"))
+        monkeypatch.setattr(peers, "TIMED_OUT", ("Timed out waiting", "Watchdog caught collective operation timeout"))
 
-    @errors.exit_on_user_error
+    @exits.exit_on_user_error
     def main():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Application timeout caused pair "
                            "closure")

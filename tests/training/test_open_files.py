@@ -23,8 +23,8 @@ import os, resource, sys
 sys.path.insert(0, {root!r})
 import torch
 import utils.rendezvous
+from resilience.exits import exit_on_user_error
 from utils import comm
-from utils.errors import exit_on_user_error
 from utils.logging_utils import config_logger
 
 config_logger()

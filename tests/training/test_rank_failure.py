@@ -5,7 +5,8 @@ without a word (SIGKILL, out of memory) is named by the lowest surviving rank, w
 from. Plain processes over gloo (each rank's exit code and output), the failure injected by a script written into
 the test's folder (no switch in the product's code).
 
-A failure points to utils/errors.py (exit_on_user_error) or utils/comm.py (announce_failure, explain_lost_peer).
+A failure points to resilience/exits.py (exit_on_user_error) or resilience/peers.py (announce_failure,
+explain_lost_peer).
 """
 import re
 import sys
@@ -47,11 +48,11 @@ def read_into(self, year_idx, step, out):
 
 loaders.era5.ERA5Dataset.read_into = read_into
 if {switched_off}:
-    import utils.health
-    utils.health.on_job_failures = lambda *args: None
+    import resilience.job
+    resilience.job.attached = lambda: False
 if {unclaimed}:  # as before the claim: rank 0 alone says a UserError
-    import utils.health
-    utils.health.claim_user_error = lambda: os.environ["RANK"] == "0"
+    import resilience.peers
+    resilience.peers.claim_user_error = lambda: os.environ["RANK"] == "0"
 train.main(sys.argv[1:])
 """
 
@@ -172,13 +173,14 @@ class GoneStore:
 def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local_rank, line):
     """Rank 0's process holds the rendezvous store under srun: when it dies, the survivors cannot take their census;
     the first rank of each node says that rank 0 stopped answering, with the checkpoint to resume from."""
-    from utils import health
-    monkeypatch.setattr(health, "world_rank", lambda: rank)
-    monkeypatch.setattr(health, "world_size_to_be", lambda: 8)
+    from resilience import job, peers
+    from utils import comm
+    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 8)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
-    monkeypatch.setitem(health._job, "store", GoneStore())
-    monkeypatch.setitem(health._job, "checkpoint", "'ckpt.pt' (iteration 12)")
-    said = health.explain_lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [10.0.0.1]:1234"))
+    monkeypatch.setitem(job.notes, "store", GoneStore())
+    monkeypatch.setitem(job.notes, "checkpoint", "'ckpt.pt' (iteration 12)")
+    said = peers.explain_lost_peer(RuntimeError("[pair.cc:561] Connection closed by peer [10.0.0.1]:1234"))
     if line is None:
         assert said is None
     else:
@@ -193,14 +195,15 @@ def test_a_store_gone_with_its_host_is_said_once_a_node(monkeypatch, rank, local
     (2, {"user_error": "1"}, False),  # rank 1 said it first
 ])
 def test_the_first_rank_to_claim_a_user_error_says_it(monkeypatch, rank, keys, claimed):
-    from utils import health
+    from resilience import job, peers
+    from utils import comm
     store = torch.distributed.HashStore()  # answers check, set and compare_set as the rendezvous TCPStore does
     for key, value in keys.items():
         store.set(key, value)
-    monkeypatch.setattr(health, "world_rank", lambda: rank)
-    monkeypatch.setattr(health, "USER_ERROR_WAIT_S", 0.1)
-    monkeypatch.setitem(health._job, "store", store)
-    assert health.claim_user_error() == claimed
+    monkeypatch.setattr(comm, "get_world_rank", lambda: rank)
+    monkeypatch.setattr(peers, "USER_ERROR_WAIT_S", 0.1)
+    monkeypatch.setitem(job.notes, "store", store)
+    assert peers.claim_user_error() == claimed
     if claimed:
         assert store.get("user_error") == str(rank).encode()
     else:
@@ -215,13 +218,15 @@ def test_the_first_rank_to_claim_a_user_error_says_it(monkeypatch, rank, keys, c
 def test_a_claimed_user_error_is_one_line_and_tells_the_others(monkeypatch, capsys, rank, claimed, line, announced):
     """stop_in_one_line in a job of 2 ranks sharing a store; the twin of the end-to-end run: without the claim
     (rank 0 alone printing, as before) rank 1's line would be missing."""
-    from utils import errors
+    from resilience import exits, job, peers
     told = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(errors, "_job", {"announce": told.append, "explain": None, "claim": lambda: claimed})
+    monkeypatch.setattr(job, "notes", {"attached": True})
+    monkeypatch.setattr(peers, "announce_failure", told.append)
+    monkeypatch.setattr(peers, "claim_user_error", lambda: claimed)
     with pytest.raises(SystemExit) as stop:
-        errors.stop_in_one_line("data directory 'x' does not exist", found_here=False)
+        exits.stop_in_one_line("data directory 'x' does not exist", found_here=False)
     assert stop.value.code == 2
     printed = capsys.readouterr().err.strip().splitlines()
     assert printed == ([line] if line else [])

@@ -124,11 +124,11 @@ def test_in_one_process_rank_0_chooses_the_newest_good_checkpoint(tmp_path, capl
 def test_from_rank_0s_choice_on_a_lost_peer_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
     """Once rank 0 has chosen, a rank whose wait for the others fails (a rank slower to read the file than
     --collective_timeout) says the job resumes from that file, not 'no checkpoint was written yet'."""
-    from utils import health
+    from resilience import job
     path = two_checkpoints(tmp_path)
-    monkeypatch.delitem(health._job, "checkpoint", raising=False)
+    monkeypatch.delitem(job.notes, "checkpoint", raising=False)
     load_on_every_rank(path, newest=True)
-    assert health._job["checkpoint"] == f"'{path}' (iteration 4)"
+    assert job.notes["checkpoint"] == f"'{path}' (iteration 4)"
 
 
 # ---------------------------------------------------------------- two ranks (gloo), a real resume

@@ -1,11 +1,11 @@
 """A finished run exits (#40 item 10): every rank leaves the process group and ends, on torch 2.5 (the container's) and
 2.14. The hang: on torch < 2.8 a ProcessGroup is destroyed with the GIL held, and tearing gloo down joins its worker
 threads; a worker still finishing its last work then needs the GIL (to free a tensor Python let go of, or to run a
-future's Python callback), so destroy_process_group waited for good. utils/health.leave_process_group tears each
+future's Python callback), so destroy_process_group waited for good. utils/compat.leave_process_group tears each
 backend down without the GIL. The stress loop of the whole 4-rank run is `make stress-exit`
 (benchmarks/stress_exit.py), outside `make test`.
 
-A failure points to utils/health.leave_process_group (or _backends), or to benchmarks/stress_exit.py.
+A failure points to utils/compat.leave_process_group (or _backends), or to benchmarks/stress_exit.py.
 """
 import json
 import subprocess
@@ -25,11 +25,12 @@ LATE_WORKER = """\
 import sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
-from utils import comm, health
+from utils import comm, compat
+from utils.layout import Axis
 if {switched_off}:
-    health._backends = lambda: []  # the fix off: each backend goes inside destroy_process_group, as before
+    compat._backends = lambda: []  # the fix off: each backend goes inside destroy_process_group, as before
 dist.init_process_group("gloo", init_method="env://")
-comm._groups["tp"] = dist.new_group([0, 1])
+comm._groups["tp"] = Axis("tp", 2, dist.get_rank(), dist.new_group([0, 1]))  # as comm.init keeps it
 comm.barrier()
 if dist.get_rank() == 0:
     dist.all_reduce(torch.ones(1), group=comm.get_group("tp"), async_op=True)  # rank 1 joins it a second later

@@ -369,12 +369,13 @@ def test_a_mistake_every_rank_finds_is_printed_once(era5_dir, tmp_path):
 def test_who_prints_a_mistake(monkeypatch, capsys, rank, error, printed):
     """A UserError is printed by rank 0 alone; a OneRankError (its node's GPU or shared memory, a sample of its
     shard) by the rank that found it, named, since rank 0 may not have found it. Every rank exits with code 2."""
+    from resilience import exits
     from utils import errors
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "2")
     message = "the same on every rank" if error == "UserError" else "only this rank's node"
 
-    @errors.exit_on_user_error
+    @exits.exit_on_user_error
     def main():
         raise getattr(errors, error)(message)
 
@@ -388,11 +389,11 @@ import sys
 sys.path.insert(0, {root!r})
 import lifecycle.signals
 import train
-import utils.health
+import resilience.watch
 if {switched_off}:
     lifecycle.signals.launcher_gone = lambda: False
 if {unsaid}:  # the stop still noticed, but the job's lines take the agent's store for alive
-    utils.health.launcher_gone = lambda: False
+    resilience.watch.launcher_gone = lambda: False
 train.main(sys.argv[1:])
 """
 

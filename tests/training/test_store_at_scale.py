@@ -6,8 +6,8 @@ ranks, minutes before the job's one line); rank 0 waits for the others' marks on
 as the job grows (utils/rendezvous.store_poll_pause). Many ranks stood in for by one process and a store that counts
 requests.
 
-A failure points to utils/comm.py (mark_alive, lost_if_lowest_alive, linger_for_the_others) or utils/rendezvous.py
-(store_poll_pause, check_one_rank_per_gpu).
+A failure points to resilience/peers.py (mark_alive, lost_if_lowest_alive, linger_for_the_others), resilience/store.py
+(broadcast_from_rank0) or utils/rendezvous.py (store_poll_pause, check_one_rank_per_gpu).
 """
 import pickle
 import threading
@@ -16,7 +16,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from utils import comm, health, rendezvous
+from resilience import job, peers
+from resilience import store as job_store
+from utils import comm, rendezvous
 from utils.errors import UserError
 
 
@@ -40,7 +42,7 @@ def census(world, lost):
     store = CountingStore()
     for rank in range(world):
         if rank not in lost:
-            health.mark_alive(store, rank)
+            peers.mark_alive(store, rank)
     store.requests = 0
     return store
 
@@ -55,7 +57,7 @@ def lost_as_before(store, rank, world):
 def test_the_lowest_survivor_alone_names_the_lost_ranks_in_requests_that_grow_as_the_job(lost):
     world = 1024
     store = census(world, lost)
-    said = {rank: health.lost_if_lowest_alive(store, rank, world) for rank in range(world) if rank not in lost}
+    said = {rank: peers.lost_if_lowest_alive(store, rank, world) for rank in range(world) if rank not in lost}
     speakers = {rank: names for rank, names in said.items() if names is not None}
     assert speakers == {min(set(range(world)) - set(lost)): lost}
     # a rank asks about the lost ones below it and the first survivor; the speaker asks about the whole world
@@ -80,14 +82,14 @@ def test_rank_0_waits_for_the_others_marks_on_one_count(monkeypatch, failing, un
     """Rank 0 leaving on a failure (its process may hold the store) waits until every rank but the failing one has
     marked itself, reading a count: a few requests a look, at 4,096 ranks as at 2; a rank that never marks itself
     is waited for LOST_PEER_LINGER_S."""
-    monkeypatch.setattr(health, "LOST_PEER_LINGER_S", 0.3)
+    monkeypatch.setattr(peers, "LOST_PEER_LINGER_S", 0.3)
     world = 4096
     store = census(world, unmarked)
     if failing is not None:
         store.set("failed", str(failing))
     store.requests = 0
     start = time.monotonic()
-    health.linger_for_the_others(store, world)
+    peers.linger_for_the_others(store, world)
     assert (time.monotonic() - start >= 0.3) == waits
     looks = 0.3 / 0.05 + 1 if waits else 1
     assert store.requests <= 4 * looks, store.requests
@@ -96,7 +98,7 @@ def test_rank_0_waits_for_the_others_marks_on_one_count(monkeypatch, failing, un
 def test_a_rank_marks_itself_once():
     store = CountingStore()
     for _ in range(3):
-        health.mark_alive(store, 4)
+        peers.mark_alive(store, 4)
     assert store.check(["alive/4"]) and store.add("alive_count", 0) == 1
 
 
@@ -114,15 +116,15 @@ def test_the_wait_for_rank_0s_post_looks_every_1_2_s_at_4096_ranks(monkeypatch):
     a look every 1.23 s (before: from 5 ms, doubling up to 0.5 s: 9 looks, 27 requests, in those 1.5 s)."""
     monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "is_dry_run", lambda: False)
-    monkeypatch.setattr(health, "world_rank", lambda: 1)
-    monkeypatch.setattr(health, "world_size_to_be", lambda: 4096)
+    monkeypatch.setattr(comm, "get_world_rank", lambda: 1)
+    monkeypatch.setattr(comm, "world_size_to_be", lambda: 4096)
     store = CountingStore()
-    monkeypatch.setitem(health._job, "store", store)
-    monkeypatch.setitem(health._job, "posts", 0)
+    monkeypatch.setitem(job.notes, "store", store)
+    monkeypatch.setitem(job.notes, "posts", 0)
     rank0 = threading.Timer(1.5, lambda: store.store.set("rank0_post/1", pickle.dumps("rank 0's answer")))
     rank0.start()
     start = time.monotonic()
-    assert comm.broadcast_from_rank0(None) == "rank 0's answer" and time.monotonic() - start >= 1.5
+    assert job_store.broadcast_from_rank0(None) == "rank 0's answer" and time.monotonic() - start >= 1.5
     assert store.requests <= 3 * 3 + 2, store.requests  # 2 or 3 looks, then the post read and counted
 
 
