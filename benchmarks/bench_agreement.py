@@ -7,7 +7,7 @@ Each of N processes (gloo over TCP on this machine, as on a cluster's host side)
 host sleeps `--step_ms` (a GPU step the host waits for; the sleep leaves the cores to the other ranks), then asks the
 step boundary's question. Two ways, each timed around the question alone on every rank:
   blocking   the agreement as it was: one all-reduce over every rank, waited for at every boundary
-             (utils.comm.max_over_ranks_on_host)
+             (resilience.host.max_over_ranks_on_host)
   in loop    lifecycle/signals.agreed_in_loop: start this boundary's all-reduce, read the one started
              AGREEMENT_LAG boundaries before (finished during the steps in between)
 The JSON has, per N, the time per step of each (mean over ranks and steps, the median, the 99th percentile and the

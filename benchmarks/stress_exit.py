@@ -15,7 +15,7 @@ Two loops, on this machine's CPUs over gloo (`make stress-exit` runs both on the
              cycle, so it meets the race far more often per minute. A rank silent for `--stall` s is hung; the
              ranks are then killed and started again, until `--teardowns` cycles have been tried.
 With --switched_off the ranks leave as before the fix: dist.destroy_process_group() with each backend torn down
-inside it, under the GIL on torch < 2.8 (utils/health.leave_process_group says why that hangs).
+inside it, under the GIL on torch < 2.8 (utils/compat.leave_process_group says why that hangs).
 The JSON: per loop the cycles tried and hung, the exit codes and times; torch's version. Exit code 1 if any hung.
 """
 import os
@@ -38,8 +38,8 @@ RUN_FLAGS = ["--config", "tiny", "--data_loader_config", "synthetic", "--tensor_
 
 def switch_off():
     """The fix switched off: every backend goes inside dist.destroy_process_group(), as before."""
-    from utils import health
-    health._backends = lambda: []
+    from utils import compat
+    compat._backends = lambda: []
 
 
 def processes_with(marker):
@@ -107,6 +107,7 @@ def teardown_rank(cycles, switched_off):
     import torch.distributed as dist
 
     from distributed.data_parallel import init_ddp_model_and_reduction_hooks
+    from resilience import host
     from utils import comm
     from utils.layout import Layout
     if switched_off:
@@ -122,7 +123,7 @@ def teardown_rank(cycles, switched_off):
             model(torch.randn(2, 4)).sum().backward()
             for name in ("tp", "cp", "tp-cp", "dp"):
                 comm.all_reduce_sum(torch.ones(3), name)  # a tensor Python lets go of at once
-            comm.HostMax(0).wait()
+            host.HostMax(0).wait()
         comm.barrier()
         comm.destroy()
         del model

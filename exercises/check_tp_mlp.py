@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from resilience.exits import exit_on_user_error
 from utils import comm
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from utils.errors import ArgumentParser, UserError
 
 EXERCISE, SOLUTION = "exercises.tp_mlp_exercise", "exercises.tp_mlp_solution"
 BATCH, SEQ, DIM, HIDDEN = 4, 10, 32, 128

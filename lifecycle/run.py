@@ -30,13 +30,9 @@ from lifecycle.checkpoint import (
     set_rng_states,
 )
 from lifecycle.cli import apply_overrides, check_stage_flags
-from lifecycle.kernels import (  # noqa: F401 (tests/models/ import the two checks from here)
-    choose_kernels,
-    refuse_compiled_channels_last_unet,
-    select_attention_backend,
-)
+from lifecycle.kernels import choose_kernels
 from lifecycle.run_lock import RunDirectoryLock
-from resilience import peers, store
+from resilience import host, peers, store
 from utils import comm
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
 from utils.layout import Grid
@@ -90,7 +86,8 @@ class Run:
     stop_signal: Callable = signals.agreed_in_loop  # at each step boundary (collective): the agreed signal, or None
     settle: Callable = signals.settle  # after the loop's last boundary: the agreements still in flight are read
     resume_point: Callable = peers.resume_point  # what a restart resumes from, in words (the lines that stop a run)
-    worker_start: WorkerStart = signals.SIGNAL_PROOF_START  # loader workers started deaf to the stop signals
+    # loader workers started deaf to the stop signals; the ranks' agreements through the host's group and the store
+    worker_start: WorkerStart = signals.SIGNAL_PROOF_START._replace(gather=host.gather_on_host, first=store.on_rank0)
 
 
 def _make_run_dir(exp_dir, model):

@@ -69,7 +69,7 @@ def get_data_loader(params, train, worker_start=PLAIN_START):
                         f"{choices}")
     loader = build(params, train, worker_start)
     if hasattr(loader, "dataset"):  # a synthetic loader's size is its config's, the same everywhere
-        common.check_same_size_everywhere(len(loader.dataset), train)
+        common.check_same_size_everywhere(len(loader.dataset), train, worker_start.gather)
     return loader
 
 

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
-from utils import comm
 from utils.errors import OneRankError, UserError
 from utils.workers import PLAIN_START
 
@@ -81,14 +80,14 @@ def sharded_sampler(params, dataset, train):
                          shuffle=train, seed=params.seed, drop_last=train)
 
 
-def check_same_size_everywhere(size, train):
+def check_same_size_everywhere(size, train, gather):
     """A UserError, the same on every rank, unless every rank's split has `size` samples. Ranks that see different
     data (a node whose copy is still running, a stale or partial mount) would shuffle different orders, overlap
     their shards and end their epochs at different steps, where their collectives stop matching and the job hangs
     until the timeout. A collective over every rank: loaders.get_data_loader calls it, which every rank of a
     training script calls for each split in the same order (not the loaders themselves, which a test may build on
-    some ranks only)."""
-    sizes = comm.gather_on_host(size)
+    some ranks only). `gather`: every rank's value in rank order (the run's WorkerStart.gather)."""
+    sizes = gather(size)
     if len(set(sizes)) == 1:
         return
     split = "training" if train else "validation"

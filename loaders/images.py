@@ -18,7 +18,6 @@ from torchvision import transforms as T
 from torchvision.datasets.utils import calculate_md5, check_integrity
 
 from loaders.common import torch_loader
-from utils import comm
 from utils.errors import UserError
 from utils.workers import PLAIN_START
 
@@ -211,7 +210,7 @@ def image_loader(params, train, worker_start=PLAIN_START):
     """The PyTorch loader of one split of CIFAR-100 or an image folder (any `data_loader_config`)."""
     # rank 0 first: it may download CIFAR-100 (when the config allows); if it fails, every rank stops
     # with its message instead of waiting for it forever
-    dataset = comm.on_rank0(lambda: get_image_dataset(params, train, download_ok=True))
+    dataset = worker_start.first(lambda: get_image_dataset(params, train, download_ok=True))
     if dataset is None:
         dataset = get_image_dataset(params, train, download_ok=False)
     return torch_loader(params, dataset, train, worker_start=worker_start)

@@ -10,7 +10,6 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from loop.plots import get_figure
-from loop.validation import set_train_mode  # noqa: F401 (planning/dry_run.py imports it from here)
 from utils import comm
 from utils.errors import UserError
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lifecycle.run import finish_run
 from loop.benchy import model_memory
-from loop.reporting import set_train_mode
+from loop.validation import set_train_mode
 from planning import perf_model
 from utils import comm
 from utils.compat import join_fake_process_group

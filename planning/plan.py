@@ -36,7 +36,8 @@ from planning.perf_model import (
     parameters_per_rank,
     predict,
 )
-from utils.errors import ArgumentParser, UserError, exit_on_user_error
+from resilience.exits import exit_on_user_error
+from utils.errors import ArgumentParser, UserError
 from utils.layout import Layout
 from utils.YParams import YParams
 

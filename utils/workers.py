@@ -69,14 +69,28 @@ def _nothing():
     """A worker's first call where the start needs none (picklable: DALI's spawned workers unpickle it)."""
 
 
+def _alone(value):
+    return [value]
+
+
+def _at_once(action):
+    return action()
+
+
 class WorkerStart(NamedTuple):
-    """How a loader starts its worker processes: `context()` the multiprocessing context of PyTorch's DataLoader (None:
-    the default start method), `starting()` a context manager a DALI pipeline is built in (its workers spawn there),
-    `in_worker()` the first call in each worker (PyTorch's worker_init_fn, DALI's sample source as it is unpickled).
-    A module-level function each, so that a spawned worker can unpickle them."""
+    """How a loader starts: its worker processes, and its agreement with the job's other ranks. `context()` the
+    multiprocessing context of PyTorch's DataLoader (None: the default start method), `starting()` a context manager
+    a DALI pipeline is built in (its workers spawn there), `in_worker()` the first call in each worker (PyTorch's
+    worker_init_fn, DALI's sample source as it is unpickled); `gather(value)` every rank's value in rank order (a
+    collective: the data set's size, checked alike everywhere), `first(action)` action() on rank 0 alone, before the
+    others go on (a download): its result there, None elsewhere, its UserError every rank's. A module-level function
+    each, so that a spawned worker can unpickle them. The defaults are a process alone's; a training run's come from
+    lifecycle (Run.worker_start: lifecycle/signals.py, resilience/)."""
     context: Callable[[], object] = _nothing
     starting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     in_worker: Callable[[], None] = _nothing
+    gather: Callable[[object], list] = _alone
+    first: Callable[[Callable], object] = _at_once
 
 
 PLAIN_START = WorkerStart()  # multiprocessing's default, as they are (tests, tools that build a loader alone)

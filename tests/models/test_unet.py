@@ -116,7 +116,7 @@ def test_unknown_conv_init_is_refused():
 def test_compiled_channels_last_unet_is_refused_on_a_gpu_in_one_line(model, device, nhwc, jit, refused):
     """On an H200 (torch 2.11) `--enable_nhwc --enable_jit` stopped the UNet at its first backward with Inductor's
     stride assertion (bench_results/gpu/h200/heads64.log); start_run refuses the pair there, and only there."""
-    from lifecycle.run import refuse_compiled_channels_last_unet
+    from lifecycle.kernels import refuse_compiled_channels_last_unet
     params = YParams("config/UNet.yaml", "tiny")
     params.update({"model": model, "enable_nhwc": nhwc, "enable_jit": jit})
     if refused:

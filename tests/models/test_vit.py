@@ -67,7 +67,7 @@ def test_sdpa_backend_runs_the_kernel_it_names(backend, kernel):
     """--sdpa_backend (config sdpa_backend) leaves scaled_dot_product_attention one kernel; "auto" gives torch's
     choice back. On the CPU: math or flash, each seen in the profiler (each check fails under the other backend).
     Not in the compat subset: torch 2.5's profiler starts a process."""
-    from lifecycle.run import select_attention_backend
+    from lifecycle.kernels import select_attention_backend
     q = torch.randn(2, 4, 16, 8)
 
     def kernels_run():
@@ -94,7 +94,7 @@ def test_sdpa_backend_runs_the_kernel_it_names(backend, kernel):
 def test_sdpa_backend_refuses_what_cannot_run_in_one_line(backend, device, half, refused):
     """Refused before any switch moves (no GPU needed): a CUDA kernel on the CPU; FlashAttention or cuDNN in fp32,
     which would otherwise fail at the first forward with torch's "No available kernel"."""
-    from lifecycle.run import select_attention_backend
+    from lifecycle.kernels import select_attention_backend
     with pytest.raises(UserError, match=refused.replace("(", r"\(").replace(")", r"\)")):
         select_attention_backend(backend, torch.device(device), half=half)
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()

@@ -107,7 +107,8 @@ def test_ctrl_c_stops_the_multi_rehearsal_and_marks_its_report(tmp_path):
         kill_all(mark)
     assert process.returncode == 130, (out, err)
     errors = [line for line in (out + err).splitlines() if line.startswith("error: ")]  # the log merges both
-    assert len(errors) == 1 and errors[0].startswith("error: interrupted by SIGINT: stopped exact_serial (python train.py"), out + err
+    assert len(errors) == 1, out + err
+    assert errors[0].startswith("error: interrupted by SIGINT: stopped exact_serial (python train.py"), errors
     assert "every process it started, in part exactness" in errors[0] and "Traceback" not in out + err
     with open(tmp_path / "out" / "multi_gpu.json") as f:
         report = json.load(f)
