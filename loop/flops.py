@@ -15,12 +15,11 @@ def train_flops_per_sample(build_model, params, sample_shape):
     (the model FLOPs of MFU), also on a rank of a tp x cp layout, which does its 1/(tp x cp) share of them. No
     collective runs (torch 2.5 has no meta kernels for them)."""
     batch = 2  # BatchNorm in training mode refuses a single value per channel (1x1 maps at batch 1)
-    with comm.serial_layout():
-        with torch.device("meta"):
-            model = build_model(params)
-            inp = torch.empty((batch, *sample_shape))
-        with FlopCounterMode(display=False) as counter:
-            model(inp).float().sum().backward()
+    with torch.device("meta"):
+        model = build_model(params)  # serial: the recipe (distributed/parallelize.py) splits a model afterwards
+        inp = torch.empty((batch, *sample_shape))
+    with FlopCounterMode(display=False) as counter:
+        model(inp).float().sum().backward()
     return counter.get_total_flops() // batch
 
 
