@@ -15,9 +15,10 @@ listed in docs/differences.md. Nothing trains.
 
 The DALI lines (a config or flag naming `dali` or `dali-lowmem`) also build their loader for rank 0 at the config's
 batch size, sample size and epoch length, and every config naming a DALI loader builds it. The ERA5 files are HDF5
-of the real shape whose chunks were never written (they read as zeros and store nothing); the cosmology boxes are
-generated at 64^3, the original crop size. One batch is read through each stage's pipeline at the original sample
-size, with --local_batch_size 1 --num_data_workers 0 added.
+of the real shape whose chunks were never written (they read as zeros and store nothing), but for the two time steps
+of the first batch read below, which hold random values; the cosmology boxes are generated at 64^3, the original crop
+size. One batch is read through each stage's pipeline at the original sample size, with --local_batch_size 1
+--num_data_workers 0 added, and must equal the PyTorch loader's, its input and target holding different values.
 
 A failure points to the command file (a line lost, a label or source missing), to the submit scripts' #SBATCH lines
 or submit_pm.sh's one-node check (a layout changed: SC21's `-n 4` on 4 nodes), to the stand-ins (fakebin/sbatch,
@@ -47,6 +48,7 @@ import torch
 import lifecycle.cli
 from lifecycle.cli import apply_overrides, check_stage_flags
 from loaders import get_data_loader
+from loaders.common import batch_indices
 from sample_data.cosmo import write_cosmo
 from tests.conftest import REPO_ROOT
 from utils.errors import UserError
@@ -617,17 +619,41 @@ def test_every_config_that_names_a_dali_loader_builds_it(name, section, data_dir
     check_loaders(params, section)
 
 
+def write_the_first_batch(loader):
+    """Random values (fixed seed) into the ERA5 time steps the first training batch reads, input and target: the
+    only chunks of the files ever written (2 x 20 x 360 x 720 float32, 41 MB). Returns them (inp, tar), unnormalised,
+    each (C, H, W)."""
+    (index,) = batch_indices(loader.sampler, 1, 0, 0)
+    year_idx, step = loader.dataset.position(index)
+    written = np.random.default_rng(62).standard_normal((2, *loader.sample_shape), dtype=np.float32)
+    with h5py.File(loader.dataset.files_paths[year_idx], "r+") as f:
+        for values, at in zip(written, (step, step + loader.dataset.dt)):
+            f["fields"][at] = values
+    return written
+
+
 @pytest.mark.parametrize("section", ["A", "B"])
 def test_one_batch_at_the_original_sample_size(section, data_dirs, monkeypatch):
-    """The first line of each stage, one sample per batch and no worker processes: a batch goes through DALI."""
+    """The first line of each stage, one sample per batch and no worker processes: DALI's first batch equals the
+    PyTorch loader's, bit for bit, and its input and target differ. ERA5's two time steps hold the values
+    write_the_first_batch wrote (the statistics are 0 and 1: the PyTorch loader's batch is them as written), so a
+    pipeline that hands out the target twice, or a time step other than the sampler's, fails; the cosmology boxes
+    are generated (not all zeros), Nbody in and Hydro out."""
     entry = next(param.values[0] for param in dali_entries() if DALI_STAGE[param.values[0].edition] == section)
     launch, (_, ranks) = launch_of(entry.command), original_layout(entry)
     params, _ = resolve(SUBMIT_SCRIPTS.get(launch.script, launch.script),
                         launch.args + ["--local_batch_size", "1", "--num_data_workers", "0"], ranks, section, data_dirs,
                         monkeypatch)
     loader = check_loaders(params, section)[True]
+    written = write_the_first_batch(loader) if section == "A" else None
+    expected = loader.first_batch()  # the PyTorch loader's
+    if written is not None:  # statistics 0 and 1: the values as written
+        assert all(torch.equal(x[0], torch.from_numpy(values)) for x, values in zip(expected, written))
+    else:
+        assert all(x.abs().sum() > 0 for x in expected), "the generated boxes are all zeros"
     loader.set_epoch(0)
     inp, tar = next(iter(loader))
-    expected = loader.first_batch()
     assert inp.shape == (1, *loader.sample_shape) and torch.equal(inp.cpu(), expected[0])
     assert torch.equal(tar.cpu(), expected[1])
+    if section == "A":  # (the cosmology's input and target differ in shape)
+        assert not torch.equal(inp, tar), "DALI's input and target are the same values"

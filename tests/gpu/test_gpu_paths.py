@@ -11,6 +11,7 @@
 - A tensor learning rate stays the tensor a CUDA graph was captured with, whatever the torch version's schedules
   do (utils/compat.py).
 """
+import contextlib
 import threading
 
 import pytest
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 from loop import flops
 from loop.dp_autocast import AutocastForward
 from tests.conftest import as_spawned_rank, free_port
-from utils import comm, compat, rendezvous
+from utils import comm, rendezvous
 from utils.errors import UserError
 
 pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("in_repo_root")]
@@ -57,17 +58,29 @@ def test_dataparallel_replicas_compute_in_the_runs_autocast_dtype():
         assert forward_in_a_new_thread(wrapped, x).dtype == torch.float16
 
 
-def test_a_tensor_lr_replaced_by_a_schedule_is_filled_in_place():
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "twin-not-kept"])
+def test_a_tensor_lr_replaced_by_a_schedule_is_filled_in_place(kept, monkeypatch):
     """torch < 2.6's ReduceLROnPlateau puts a float into the param group: a captured step would keep reading the
-    old tensor. lr_tensors_kept fills that tensor and puts it back; without it (the twin) the tensor is gone."""
+    old tensor. The plateau schedule's end_epoch (task/optim.WarmupThenPlateau), past warm-up, runs its plateau
+    within lr_tensors_kept, which fills that tensor with the new lr and puts it back. Twin: lr_tensors_kept
+    switched off (a context that does nothing), the group ends with the float and the tensor with the old lr."""
+    from task import optim
+    if not kept:
+        monkeypatch.setattr(optim, "lr_tensors_kept", lambda optimizer: contextlib.nullcontext())
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    lr = optimizer.param_groups[0]["lr"] = torch.tensor(0.1)
-    optimizer.param_groups[0]["lr"] = 0.05  # the twin: what such a schedule does
-    assert optimizer.param_groups[0]["lr"] is not lr and lr.item() == pytest.approx(0.1)
-    optimizer.param_groups[0]["lr"] = lr
-    with compat.lr_tensors_kept(optimizer):
-        optimizer.param_groups[0]["lr"] = 0.05
-    assert optimizer.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.05)
+    scheduler = optim.WarmupThenPlateau(optimizer, 0.1, warmup_epochs=1, steps_per_epoch=1)
+    lr = optimizer.param_groups[0]["lr"] = torch.tensor(0.1)  # as make_capturable leaves it
+
+    class FloatPlateau:  # what torch < 2.6's ReduceLROnPlateau does when it lowers the lr
+        def step(self, val_loss):
+            optimizer.param_groups[0]["lr"] = 0.05
+
+    scheduler.plateau = FloatPlateau()
+    scheduler.step()
+    scheduler.step()  # two epochs of one step: past the warm-up
+    scheduler.end_epoch(1.0)
+    filled = optimizer.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.05)
+    assert filled is kept, (optimizer.param_groups[0]["lr"], lr)
 
 
 def _tp2_rank(rank, world, port, found):

@@ -1,7 +1,8 @@
 """The multi-GPU session (benchmarks/gpu_multi.py, `bash benchmarks/gpu_session.sh DIR --multi`) rehearsed on CPU ranks:
 its six parts run end to end over gloo and write the JSON README's multi-GPU steps read; the exactness part's
-twins miss the tolerance its checks meet; the collectives' bus bandwidth is the performance model's definition;
-NCCL's one-rank checks (benchmarks/nccl_one_rank.py) run over gloo, and their comparison can fail.
+twins miss the tolerance its checks meet; the collectives' bus bandwidth is the performance model's definition, and
+is not without the benchmark's bus factors; NCCL's one-rank checks (benchmarks/nccl_one_rank.py) run over gloo, and
+their comparison can fail.
 
 A failure points to benchmarks/gpu_multi.py, bench_collectives.py or nccl_one_rank.py, or to what a part runs.
 """
@@ -100,24 +101,36 @@ def test_the_model_parallel_collective_and_failure_parts(rehearsal):
         assert any(line.startswith("Scaffolding memory high watermark") for line in row["memory_lines"]), row
     messages = parts["collectives"]["messages"]
     assert len(messages) == len(bench_collectives.MESSAGES) and all(m["bus_bandwidth_gb_s"] > 0 for m in messages)
+    for m in messages:  # the bus bandwidth recorded is the algorithm bandwidth times the bus factor of the test below
+        wire = bench_collectives.WIRE[m["op"]](parts["collectives"]["ranks"])
+        assert m["bus_bandwidth_gb_s"] == pytest.approx(m["bytes"] / m["seconds"] * wire / 1e9), m
     failure = parts["failure"]
     assert failure["error"]["seconds_to_last_exit"] < gpu_multi.ENDS_WITHIN_S
     assert len(failure["error"]["error_lines"]) == 1
     assert "--collective_timeout (3 s)" in failure["stall"]["error_lines"][0]
 
 
+# the factor each twin takes out of the benchmark's bus factor: an all-reduce's 2 (counted as an all-gather), the
+# others' (n - 1) / n (counted as the algorithm bandwidth)
+DROPPED = {"all_reduce": lambda n: 2, "all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["wire", "twin-without-the-factor"])
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-def test_bus_bandwidth_is_the_performance_models_link_speed(op, ranks):
+def test_bus_bandwidth_is_the_performance_models_link_speed(op, ranks, twin, monkeypatch):
     """A collective taking exactly the model's time (planning/perf_model.collective_seconds) has, by the benchmark's
-    definition, the model's bus bandwidth (its link times the network efficiency). Twin: an all-reduce counted
-    without its factor 2 (an all-gather's) would report half."""
+    bus factors (bench_collectives.WIRE, which its bus bandwidth multiplies the algorithm bandwidth by), the model's
+    bus bandwidth (its link times the network efficiency). Twin: the benchmark's factor without the 2 of an
+    all-reduce (counted as an all-gather), or without the (n - 1) / n of an all-gather or reduce-scatter (counted as
+    the algorithm bandwidth), misses it."""
+    if twin:
+        wire = bench_collectives.WIRE[op]
+        monkeypatch.setitem(bench_collectives.WIRE, op, lambda n: wire(n) / DROPPED[op](n))
     link, nbytes = 150e9, 100 * 2 ** 20
     seconds = perf_model.collective_seconds(op, nbytes, ranks, link)
     bus = nbytes / seconds * bench_collectives.WIRE[op](ranks)
-    assert bus == pytest.approx(link * perf_model.EFFICIENCY["network"])
-    if op == "all_reduce":
-        assert nbytes / seconds * bench_collectives.WIRE["all_gather"](ranks) == pytest.approx(bus / 2)
+    assert (bus == pytest.approx(link * perf_model.EFFICIENCY["network"])) is not twin, (bus, twin)
 
 
 def test_the_comparison_takes_a_difference_beyond_the_tolerance():

@@ -107,7 +107,7 @@ def test_a_missing_yaml_file_is_one_line():
 def test_a_key_the_config_lacks_names_the_key_the_config_and_the_file():
     """params.key or params["key"] of a key the config lacks: a UserError (one line, exit 2 in a script) naming the key,
     the config and the file, and where the repository's configs set it; before, a bare AttributeError (KeyError), a
-    traceback and exit 1. Twin: it is still an AttributeError and a KeyError, so getattr with a default, hasattr,
+    traceback and exit 1. And it is still an AttributeError and a KeyError, so getattr with a default, hasattr,
     `except KeyError`, pickling (a loader worker's copy) and deepcopy behave as before."""
     params = YParams(VIT_YAML, "tiny")
     said = (r"^config 'tiny' in config/ViT\.yaml has no key 'nope', which this run reads; add `nope: \.\.\.` to it$")
@@ -121,8 +121,8 @@ def test_a_key_the_config_lacks_names_the_key_the_config_and_the_file():
     assert getattr(params, "nope", 7) == 7 and not hasattr(params, "nope") and "nope" not in params
     with pytest.raises(KeyError):
         params["nope"]
-    for twin in (pickle.loads(pickle.dumps(params)), copy.deepcopy(params)):
-        assert twin.params == params.params and twin.embed_dim == 32 and twin.config_name == "tiny"
+    for copied in (pickle.loads(pickle.dumps(params)), copy.deepcopy(params)):
+        assert copied.params == params.params and copied.embed_dim == 32 and copied.config_name == "tiny"
 
 
 def test_stages_whose_configs_share_a_name_write_to_different_run_directories():
