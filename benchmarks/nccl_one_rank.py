@@ -4,7 +4,7 @@
     python -m benchmarks.nccl_one_rank --out report.json --allow-cpu # the same checks over gloo: a check of this
 
 Each check is run and reported on its own (`ok`, and the error's line when not), in order:
-  init       utils/rendezvous.init_process_group over NCCL for a world of one: NCCL told the GPU (`device_id`, so
+  init       utils/comm.join over NCCL for a world of one: NCCL told the GPU (`device_id`, so
              its communicator is made at once) and the collective timeout (--collective_timeout) given
   ddp        DistributedDataParallel on that group: one step of a small model equals the same step unwrapped
   dtensor    a DTensor on a one-rank device mesh: sharded and gathered back, the same values
@@ -49,8 +49,7 @@ def check_init(device):
 
     from utils import comm, rendezvous
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    store = rendezvous.init_process_group(rendezvous.launch_settings(1, TIMEOUT_S), 1, backend_of(device), 0,
-                                          TIMEOUT_S, collective_timeout_s=TIMEOUT_S)
+    store = comm.join(rendezvous.launch_settings(1, TIMEOUT_S), 1, device, TIMEOUT_S, TIMEOUT_S)
     comm.init(collective_timeout=TIMEOUT_S)  # the groups of a world of one, in the joined process group
     value = torch.ones(4, device=device)
     dist.all_reduce(value)

@@ -4,10 +4,10 @@ import os
 
 import torch
 
+from lifecycle.workers import check_worker_count
 from utils.errors import ArgumentParser, UserError
 from utils.layout import Layout, dry_run_refusal
 from utils.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT
-from utils.workers import check_worker_count
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")  # scaled_dot_product_attention's kernels

@@ -32,12 +32,12 @@ from lifecycle.checkpoint import (
 from lifecycle.cli import apply_overrides, check_stage_flags
 from lifecycle.kernels import choose_kernels
 from lifecycle.run_lock import RunDirectoryLock
+from lifecycle.workers import WorkerStart
 from resilience import host, peers, store
 from utils import comm
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
 from utils.layout import Grid
 from utils.logging_utils import config_logger, log_to_file
-from utils.workers import WorkerStart
 from utils.YParams import YParams
 
 

@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 
-from utils.workers import WorkerStart
+from lifecycle.workers import WorkerStart
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the submit scripts requeue the job on it

@@ -8,14 +8,14 @@ synthetic.py  random batches of the config's shapes, no files (ERA5's `synthetic
 Every loader offers the training loop the same interface (loaders/common.py). `LOADERS` maps each
 (dataset, data_loader_config) to the function that builds the loader of one split; a data set with one loader
 (the image data sets) takes any data_loader_config. How the loaders start their worker processes is handed in (a
-WorkerStart, utils/workers.py: a training run's keeps the job's stop signals from them, lifecycle/signals.py).
+WorkerStart, lifecycle/workers.py: a training run's keeps the job's stop signals from them, lifecycle/signals.py).
 """
+from lifecycle.workers import PLAIN_START
 from loaders import common
 from loaders.cosmo import cosmo_loader
 from loaders.era5 import era5_loader
 from loaders.synthetic import SyntheticLoader
 from utils.errors import UserError
-from utils.workers import PLAIN_START
 
 
 # imported on first use: their modules need optional packages (DALI; torchvision)

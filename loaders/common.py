@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate, get_worker_info
 
+from lifecycle.workers import PLAIN_START
 from utils.errors import OneRankError, UserError
-from utils.workers import PLAIN_START
 
 DALI_HINT = "install nvidia-dali-cuda120 (requirements.txt)"
 TORCH_LOADERS = {"dali": "pytorch", "dali-lowmem": "lowmem"}  # what to use instead without DALI
@@ -379,7 +379,7 @@ def torch_loader(params, dataset, train, turn_later=None, worker_start=PLAIN_STA
     that read whole batches into given buffers (`read_batch_into`: ERA5, cosmology) get a BatchRing when there are
     workers. A dataset that can finish its batches later (`finish_batch`: the cosmology crops' turns) does so after
     the copy to the GPU (`turn_later`; default: when there is a GPU), where a turn costs microseconds instead of
-    a copy of every crop on the host. `worker_start` (utils/workers.py): how the workers start (a training run's:
+    a copy of every crop on the host. `worker_start` (lifecycle/workers.py): how the workers start (a training run's:
     deaf to the job's stop signals)."""
     finished_later = hasattr(dataset, "finish_batch") and (torch.cuda.is_available() if turn_later is None
                                                            else turn_later)
@@ -468,7 +468,7 @@ class SamplerSource:
     """The base of a per-sample external-source callback: sample `idx_in_epoch` of DALI's epoch `epoch_idx` is the
     sampler's key at that place in epoch `first_epoch + epoch_idx`, after the `first_skip` steps skipped in the
     first epoch (exact resume). The callback may run in DALI's worker processes: it holds only picklable state, and
-    calls `in_worker` (a WorkerStart's, utils/workers.py) as a worker unpickles it."""
+    calls `in_worker` (a WorkerStart's, lifecycle/workers.py) as a worker unpickles it."""
 
     def __init__(self, sampler, batch_size, steps_per_epoch, first_epoch, first_skip, in_worker=PLAIN_START.in_worker):
         self.sampler = copy.copy(sampler)  # its own: set_epoch here must not move the loader's sampler

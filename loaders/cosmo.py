@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lifecycle.workers import PLAIN_START
 from loaders.common import ResumableSampler, read_whole_batch, torch_loader
 from utils.errors import OneRankError, UserError
-from utils.workers import PLAIN_START
 
 COSMO_HINT = ("generate sample data with `python -m sample_data cosmo --out data/cosmo` "
               "and pass --data_dir data/cosmo")

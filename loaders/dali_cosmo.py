@@ -19,9 +19,9 @@ import itertools
 
 import numpy as np
 
+from lifecycle.workers import PLAIN_START
 from loaders.common import PipelineLoader, SamplerSource, sharded_sampler, split_batch_size
 from loaders.cosmo import CosmoDataset, plan_turn
-from utils.workers import PLAIN_START
 
 # A per-sample permutation of the spatial axes through one fixed transpose. Reshape the (D, H, W, C) crop to a
 # 6-D view (s0, s1, s2, s3, s4, C) in which three of the five slots hold D, H, W in that order (their memory

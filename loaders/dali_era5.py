@@ -11,9 +11,9 @@ a pipeline, exact mid-epoch resume) is in loaders/common.py: `SamplerSource`, `P
 """
 import numpy as np
 
+from lifecycle.workers import PLAIN_START
 from loaders.common import PipelineLoader, SamplerSource, sharded_sampler, split_batch_size
 from loaders.era5 import era5_dataset
-from utils.workers import PLAIN_START
 
 
 class ERA5Source(SamplerSource):

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lifecycle.workers import PLAIN_START
 from loaders.common import read_whole_batch, torch_loader
 from utils.errors import OneRankError, UserError
-from utils.workers import PLAIN_START
 
 SAMPLE_DATA_HINT = ("generate sample data with `python -m sample_data era5 --out data/era5` "
                     "and pass --data_dir data/era5")

@@ -17,9 +17,9 @@ from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.datasets.utils import calculate_md5, check_integrity
 
+from lifecycle.workers import PLAIN_START
 from loaders.common import torch_loader
 from utils.errors import UserError
-from utils.workers import PLAIN_START
 
 CIFAR100_FILES = ("train", "test", "meta")
 # the globals a CIFAR pickle names: numpy's reconstruction of an array (numpy 1's and numpy 2's module), its type and

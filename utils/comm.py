@@ -94,38 +94,17 @@ def _build_groups(layout):
                        else dist.group.WORLD)
 
 
-def gpus_expected():
-    """Why this process should have a GPU ('' when nothing says so): CUDA_VISIBLE_DEVICES naming devices (set but
-    empty means no GPU on purpose), else Slurm's GPUs on this node, else the NVIDIA driver's device files."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return f"CUDA_VISIBLE_DEVICES={visible}" if visible.strip() not in ("", "-1", "NoDevFiles") else ""
-    if os.environ.get("SLURM_GPUS_ON_NODE", "0") not in ("", "0"):
-        return f"Slurm gave this node GPUs (SLURM_GPUS_ON_NODE={os.environ['SLURM_GPUS_ON_NODE']})"
-    return "this node has NVIDIA devices (/dev/nvidia0)" if os.path.exists("/dev/nvidia0") else ""
-
-
-def _why_no_cuda():
-    if torch.version.cuda is None:
-        return "this PyTorch is a CPU-only build"
-    try:
-        torch.cuda.init()
-    except Exception as err:  # the driver's reason: none found, too old for this build, ...
-        return str(err).splitlines()[0]
-    return "torch.cuda.is_available() is False"
-
-
 def get_device():
     """cuda:LOCAL_RANK (modulo the GPUs this process sees: one each when Slurm binds a GPU per task) when CUDA is
     present, else the CPU. A node that should have GPUs which PyTorch cannot use is refused in one line, instead of
     training on the CPU unnoticed."""
     if torch.cuda.is_available():
         return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
-    expected = gpus_expected()
+    expected = rendezvous.gpus_expected()
     if expected:
-        raise OneRankError(f"{expected}, but PyTorch cannot use a GPU ({_why_no_cuda()}); load the tutorial's "
-                           "container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= (empty) to "
-                           "run on the CPU on purpose")
+        raise OneRankError(f"{expected}, but PyTorch cannot use a GPU ({rendezvous.why_no_cuda()}); load the "
+                           "tutorial's container or a PyTorch built for this driver, or set CUDA_VISIBLE_DEVICES= "
+                           "(empty) to run on the CPU on purpose")
     return torch.device("cpu")
 
 
@@ -154,14 +133,26 @@ def init(layout=None, rendezvous_timeout=DEFAULT_RENDEZVOUS_TIMEOUT, collective_
         device = get_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        _joined["store"] = rendezvous.init_process_group(settings, world_size, backend, rendezvous.gpu_id(device),
-                                                         rendezvous_timeout, collective_timeout)
+        _joined["store"] = join(settings, world_size, device, rendezvous_timeout, collective_timeout)
     if dist.is_initialized():
         _build_groups(layout)
     if get_world_rank() == 0:
         logging.info(f"Setting {layout.describe()}")
     return Grid(layout, _groups)
+
+
+def join(settings, world_size, device, rendezvous_timeout, collective_timeout):
+    """Meet the other ranks (utils/rendezvous.py: the launcher's address, with its checks) and make the default process
+    group on their store: NCCL on a GPU, told this rank's GPU (`device_id`: its communicator is made now, and each
+    subgroup split from it), gloo on the CPU; each collective waits at most `collective_timeout` seconds. Returns
+    the store."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store, rank, world_size = rendezvous.meet(settings, world_size, backend, rendezvous.gpu_id(device),
+                                              rendezvous_timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    return store
 
 
 def get_store():

@@ -2,7 +2,7 @@
 sockets, a rank 0 that never comes, another job's rank 0 on the same port, two ranks on one GPU) and torchrun's
 restarts. Every failure a user can cause ends in one line (UserError).
 
-The rendezvous runs alone, with --dist_timeout; init_process_group's own timeout bounds every collective afterwards
+The rendezvous runs alone, with --dist_timeout; the process group comm.join then makes bounds every collective
 (--collective_timeout); both defaults are here (DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT). Its checks
 run before the process group exists, inside comm.init; what watches the job once it runs (rank 0's heartbeat, the
 one line when a rank fails or times out) is resilience/, attached after comm.init.
@@ -79,13 +79,33 @@ def raise_open_file_limit(world_size, rank, hosts_store=True):
                          "(a socket to every other rank)")
 
 
-def init_process_group(settings, world_size, backend, gpu, timeout_s, collective_timeout_s=DEFAULT_COLLECTIVE_TIMEOUT):
+def gpus_expected():
+    """Why this process should have a GPU ('' when nothing says so): CUDA_VISIBLE_DEVICES naming devices (set but
+    empty means no GPU on purpose), else Slurm's GPUs on this node, else the NVIDIA driver's device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"CUDA_VISIBLE_DEVICES={visible}" if visible.strip() not in ("", "-1", "NoDevFiles") else ""
+    if os.environ.get("SLURM_GPUS_ON_NODE", "0") not in ("", "0"):
+        return f"Slurm gave this node GPUs (SLURM_GPUS_ON_NODE={os.environ['SLURM_GPUS_ON_NODE']})"
+    return "this node has NVIDIA devices (/dev/nvidia0)" if os.path.exists("/dev/nvidia0") else ""
+
+
+def why_no_cuda():
+    """Why torch.cuda.is_available() is False, in a few words."""
+    if torch.version.cuda is None:
+        return "this PyTorch is a CPU-only build"
+    try:
+        torch.cuda.init()
+    except Exception as err:  # the driver's reason: none found, too old for this build, ...
+        return str(err).splitlines()[0]
+    return "torch.cuda.is_available() is False"
+
+
+def meet(settings, world_size, backend, gpu, timeout_s):
     """Meet the other `world_size - 1` ranks at `settings` (launch_settings: rank, MASTER_ADDR, MASTER_PORT) within
-    `timeout_s` seconds, check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), and init the default
-    process group, whose collectives wait at most `collective_timeout_s` seconds. NCCL is told this rank's GPU
-    (`device_id`): its communicator is then made now, not at the first collective, and every subgroup is split from
-    it instead of each bootstrapping its own over the network. Returns the rendezvous store (comm.get_store: where
-    resilience/ keeps rank 0's posts and the ranks' notes when one of them fails)."""
+    `timeout_s` seconds and check one rank per GPU (NCCL; `gpu` tells this rank's GPU apart), before comm.join makes
+    the process group on what this returns: (the rendezvous store, this rank, the world size). The store is also
+    where resilience/ keeps rank 0's posts and the ranks' notes when one of them fails (comm.get_store)."""
     rank, addr, port = settings
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     raise_open_file_limit(world_size, rank, hosts_store=not agent_store)
@@ -111,10 +131,7 @@ def init_process_group(settings, world_size, backend, gpu, timeout_s, collective
         check_same_job(store, rank, addr, port)
     if backend == "nccl":
         check_one_rank_per_gpu(store, world_size, gpu, timeout_s)
-    eager = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s), **eager)
-    return store
+    return store, rank, world_size
 
 
 def check_same_job(store, rank, addr, port, job=None):

@@ -150,24 +150,69 @@ def test_twin_waiting_in_a_collective_the_slow_write_ends_the_job(write_stalls):
 
 
 @pytest.mark.parametrize("backend, device_id", [("nccl", "cuda:3"), ("gloo", None)])
-def test_nccl_is_told_the_gpu_and_every_group_the_timeout(monkeypatch, backend, device_id):
-    """The default process group gets the collective timeout, and under NCCL this rank's GPU (`device_id`: the
-    communicator is made at once and subgroups split from it); gloo gets no device. (The twin is the gloo case: a
-    device_id passed to every backend fails it.)"""
-    from utils import rendezvous
+def test_nccl_is_told_the_gpu_and_the_default_group_the_timeout(monkeypatch, backend, device_id):
+    """comm.join makes the default process group with the collective timeout, and under NCCL tells it this rank's GPU
+    (`device_id`: the communicator is made at once and subgroups split from it); gloo gets no device. (The twin is
+    the gloo case: a device_id passed to every backend fails it.)"""
+    import torch
+
+    from utils import comm, rendezvous
     made = {}
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: made.update(kwargs))
     monkeypatch.setattr(rendezvous, "check_one_rank_per_gpu", lambda *args: None)
-    monkeypatch.setattr("torch.cuda.current_device", lambda: 3)
+    monkeypatch.setattr(rendezvous, "gpu_id", lambda device: "GPU-uuid")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "0")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     fake_store = dist.HashStore()  # rank 0 writes its job id in it (check_same_job)
     monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(fake_store, 0, 1)]))
     monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
-    assert rendezvous.init_process_group((0, "127.0.0.1", 0), 1, backend, "GPU-uuid", 60, 42) is fake_store
+    device = torch.device("cuda", 3) if backend == "nccl" else torch.device("cpu")
+    assert comm.join((0, "127.0.0.1", 0), 1, device, 60, 42) is fake_store
     assert made["timeout"] == datetime.timedelta(seconds=42) and made["backend"] == backend
     assert str(made["device_id"]) == device_id if device_id else "device_id" not in made, made
+
+
+def test_every_group_is_made_with_the_flags_collective_timeout(monkeypatch):
+    """What comm.init passes where the groups are made, for --collective_timeout 42, on rank 0 of 4 at tp=2 x cp=2
+    (torch's fake backend standing in for the others, NCCL named so that the host's gloo group is made too): the
+    default process group and every subgroup ("tp", "cp", "dp", "tp-cp", "dp-cp" where not the world, and the
+    host's) are created with a timeout of 42 s, read from the calls themselves. Tried: comm.init passing twice the
+    flag to join fails it (84 s)."""
+    import torch
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from utils import comm, rendezvous
+    real_init, real_new_group = dist.init_process_group, dist.new_group
+    made = []
+
+    def init_process_group(**kwargs):
+        made.append(("world", kwargs["backend"], kwargs["timeout"]))
+        real_init("fake", store=FakeStore(), rank=kwargs["rank"], world_size=kwargs["world_size"])
+
+    def new_group(ranks=None, timeout=None, backend=None):
+        made.append((tuple(ranks) if ranks is not None else "host", backend, timeout))
+        return real_new_group(ranks)
+
+    for name, value in (("WORLD_SIZE", "4"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(comm, "get_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(rendezvous, "gpu_id", lambda device: "GPU-uuid")
+    monkeypatch.setattr(rendezvous, "meet", lambda settings, world, backend, gpu, timeout: (FakeStore(), 0, 4))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    try:
+        comm.init({"tp": 2, "cp": 2}, collective_timeout=42)
+    finally:
+        monkeypatch.undo()
+        comm.destroy()
+    named = {(0, 1), (2, 3), (0, 2), (1, 3)}  # the tp and cp lists; tp-cp and dp-cp are the world, dp each alone
+    assert made[0] == ("world", "nccl", datetime.timedelta(seconds=42)), made
+    assert named <= {ranks for ranks, _, _ in made[1:]} and ("host", "gloo", datetime.timedelta(seconds=42)) in made
+    assert {timeout for _, _, timeout in made} == {datetime.timedelta(seconds=42)}, made
 
 
 def test_a_timeout_is_said_once_by_the_first_rank_that_times_out(monkeypatch):

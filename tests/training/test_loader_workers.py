@@ -1,7 +1,7 @@
 """Loader workers are bounded (issue #53, item 4): a --num_data_workers the machine cannot hold is refused at start in
 one line naming the limit, and no worker outlives its training process, even one the kernel kills.
 
-A failure in the refusal tests points to utils/workers.py (check_worker_count, worker_limit, machine_facts); in the
+A failure in the refusal tests points to lifecycle/workers.py (check_worker_count, worker_limit, machine_facts); in the
 worker tests to loaders/common.py (exit_with_parent, called by every PyTorch and DALI loader worker at its start).
 """
 import os
@@ -14,13 +14,13 @@ import time
 
 import pytest
 
+import lifecycle.workers
 import train
-import utils.workers
 from lifecycle.cli import apply_overrides, training_parser
+from lifecycle.workers import check_worker_count, machine_facts, worker_limit
 from loaders import common
 from tests.conftest import REPO_ROOT
 from utils.errors import UserError
-from utils.workers import check_worker_count, machine_facts, worker_limit
 from utils.YParams import YParams, read_configs
 
 GiB = 2**30
@@ -41,7 +41,7 @@ def test_a_thousand_workers_are_refused_in_one_line_before_the_run_directory(era
                                                                             monkeypatch):
     """The probe's command on the probe's machine (figures injected): before, it was accepted, and the run was
     OOM-killed without a line after its first epoch (without the check, conftest's guard stops the first worker)."""
-    monkeypatch.setattr(utils.workers, "machine_facts", lambda: TWO_CORES)
+    monkeypatch.setattr(lifecycle.workers, "machine_facts", lambda: TWO_CORES)
     expdir = tmp_path / "runs"
     code, lines = run_train(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(expdir),
                              "--num_data_workers", "1000"], capsys)
@@ -66,7 +66,7 @@ def test_the_refusal_reads_this_machine(era5_dir, tmp_path, capsys):
 @pytest.mark.usefixtures("in_repo_root")
 def test_a_usual_worker_count_passes_the_same_check(monkeypatch):
     """Twin of the refusal: the tiny config with 8 workers on the same injected machine gets through the flags."""
-    monkeypatch.setattr(utils.workers, "machine_facts", lambda: TWO_CORES)
+    monkeypatch.setattr(lifecycle.workers, "machine_facts", lambda: TWO_CORES)
     args = training_parser("t").parse_args(["--config", "tiny", "--num_data_workers", "8"])
     params = YParams(args.yaml_config, args.config)
     apply_overrides(params, args, dp_size=1, dp_rank=0)
