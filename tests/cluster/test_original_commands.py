@@ -288,7 +288,7 @@ def resolve_as_rank0(script, argv, ranks, monkeypatch):
         params.update({"tp": args.tensor_parallel, "cp": args.context_parallel, "order": args.parallel_order})
         model_parallel = args.tensor_parallel * args.context_parallel
     assert ranks % model_parallel == 0
-    monkeypatch.setattr("utils.workers.machine_facts", lambda: TASK_MACHINE)
+    monkeypatch.setattr("lifecycle.workers.machine_facts", lambda: TASK_MACHINE)
     dp = 1 if args.parallel == "dp" else ranks // model_parallel  # nn.DataParallel: one process
     apply_overrides(params, args, dp_size=dp, dp_rank=0)
     return params, args
