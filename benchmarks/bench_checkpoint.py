@@ -71,7 +71,7 @@ def main(argv=None):
             "digest_s": best_of(args.repeats, lambda: state_digest(state)),
             "torch_save_s": best_of(args.repeats, lambda: torch.save(state, plain)),
             "save_checkpoint_s": best_of(args.repeats, lambda: save_checkpoint(checked, state)),
-            "torch_load_s": best_of(args.repeats, lambda: torch.load(plain, map_location="cpu", weights_only=False)),
+            "torch_load_s": best_of(args.repeats, lambda: torch.load(plain, map_location="cpu", weights_only=True)),
             "load_checkpoint_s": best_of(args.repeats, lambda: load_checkpoint(checked)),
         }
         file_bytes = os.path.getsize(checked)

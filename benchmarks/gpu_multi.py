@@ -229,7 +229,7 @@ def run_results(run_dir):
     timings = {"Avg iters per sec", "Avg samples per sec"}
     points = {(tag, e.step): e.value for tag in events.Tags()["scalars"] if tag not in timings
               for e in events.Scalars(tag)}
-    model = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False, map_location="cpu")
+    model = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True, map_location="cpu")
     return points, model["model"]
 
 

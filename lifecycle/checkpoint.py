@@ -9,12 +9,21 @@ Every checkpoint carries a digest (state_digest: SHA-256 over each tensor's byte
 value, in order), computed from the state in memory as it is saved and checked on every load: a bit flipped on disk
 or in a copy inside a tensor's data, which torch.load reads without a word, makes the file damaged like an unreadable
 one. A checkpoint written before the digest loads with one line saying it cannot be checked.
+
+Checkpoints load as data (torch.load with weights_only=True): a checkpoint holds tensors, numbers, strings, lists
+and dicts only (the RNG states included: rng_state_as_data), so unpickling it calls nothing of a file's choosing. A
+file that would need to run code to load (it names a function or class, as a crafted pickle calling os.system does,
+or a checkpoint written before this rule with numpy's RNG state) is refused in one line (NeedsCode), and nothing in
+it runs; `python -m lifecycle.convert_checkpoint` converts one of this repository's older checkpoints, if its owner
+says they trust it.
 """
 import errno
 import hashlib
 import logging
 import os
+import pickle
 import random
+import re
 import stat
 import sys
 
@@ -34,7 +43,33 @@ class DamagedCheckpoint(UserError):
     reason = "unreadable"
 
 
+class NeedsCode(UserError):
+    """A torch file whose unpickling would call a function or build a class it names (weights_only refuses it):
+    refused, nothing in it run."""
+
+
+CONVERT = "python -m lifecycle.convert_checkpoint"
 DIGEST = "digest"  # the checkpoint's key for state_digest of everything else in it
+
+
+def needs_code(path, err):
+    """The NeedsCode line of the file at `path`, from weights_only's refusal `err`."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(err))
+    what = f"it names {named.group(1)}" if named else "it names a function or class to call"  # torch's wording
+    return NeedsCode(f"'{path}' is not a checkpoint written by train.py: it would need to run code to load ({what}), "
+                     "so it was not loaded and nothing in it ran; if it is one of this repository's own from before "
+                     f"checkpoints loaded as data and you trust it, convert it once with `{CONVERT} {path}`, else "
+                     "move it away")
+
+
+def read_as_data(path):
+    """torch.load of `path` on the CPU, as data (weights_only=True): NeedsCode if it names anything to call."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" in str(err):  # weights_only's refusal of a name to call (garbage: damaged instead)
+            raise needs_code(path, err) from None
+        raise
 
 
 def state_digest(state):
@@ -114,6 +149,18 @@ def present(path):
                         f"started, the checkpoints are as they were; {what}") from None
 
 
+def has_checkpoint(path):
+    """Whether the run directory's checkpoint `path` or its previous one is there; anything but a file (a directory)
+    at either name stops the run before training, in one line: taken for "no checkpoint", the run would train from
+    the beginning and move it aside at its first save, and its last save would fail."""
+    for name in (path, previous_path(path)):
+        if os.path.lexists(name) and not os.path.isfile(name):
+            kind = "a directory" if os.path.isdir(name) else "not a file"
+            raise UserError(f"'{name}' is {kind}, not a checkpoint file; move it away, then start again (nothing was "
+                            "started)")
+    return present(path) or present(previous_path(path))
+
+
 def save_checkpoint(path, state):
     """torch.save of `state` and its digest to `<path>.tmp`, flushed to disk, then the current `path` becomes
     previous_path(path) and the new file takes its place. A failed write (disk full, quota) removes the temporary
@@ -139,13 +186,17 @@ def save_checkpoint(path, state):
 
 
 def load_checkpoint(path):
-    """The checkpoint dict at `path`, on the CPU, its digest checked (and removed); DamagedCheckpoint when the file
-    cannot be read or does not hold what was written."""
+    """The checkpoint dict at `path`, on the CPU, read as data and its digest checked (and removed); DamagedCheckpoint
+    when the file cannot be read or does not hold what was written, NeedsCode when it would need to run code."""
+    if os.path.isdir(path):
+        raise UserError(f"'{path}' is a directory, not a checkpoint file; pass a checkpoint file to --resume (a run "
+                        "directory keeps its own as checkpoints/ckpt.pt)")
     if not present(path):
         raise UserError(f"checkpoint '{path}' not found; pass an existing file to --resume")
     try:
-        # our own files hold numpy/python RNG states, which weights_only loading refuses
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = read_as_data(path)
+    except NeedsCode:
+        raise
     except Exception as err:
         reason = type(err).__name__ + (f": {err.strerror}" if isinstance(err, OSError) and err.strerror else "")
         damaged = DamagedCheckpoint(f"checkpoint '{path}' cannot be read ({reason}): it is damaged, incomplete (a "
@@ -161,14 +212,17 @@ def load_newest_checkpoint(path):
     """(checkpoint, the file it came from): `path`, or the previous checkpoint when `path` is damaged, saying so on
     rank 0. A damaged `path` is moved to damaged_path(path): saved over, it would become the previous checkpoint, and
     the good one would be lost. A save that a crash cut short is first finished or undone (finish_interrupted_save).
-    Rank 0 alone."""
+    Rank 0 alone. Beside a good `path`, the previous checkpoint is checked too (check_previous), so that a damaged
+    one is known now, not when it is needed."""
     previous = previous_path(path)
     finish_interrupted_save(path)
     if not present(path):
         why = f"checkpoint '{path}' is missing"
     else:
         try:
-            return load_checkpoint(path), path
+            checkpoint = load_checkpoint(path)
+            check_previous(previous)
+            return checkpoint, path
         except DamagedCheckpoint as err:
             why = str(err).rsplit("; pass another", 1)[0]  # the run directory's own: --resume would not be read
             if not present(previous):
@@ -194,6 +248,27 @@ def load_newest_checkpoint(path):
     return checkpoint, previous
 
 
+def check_previous(previous):
+    """The previous checkpoint, checked at start (rank 0): a damaged one is moved aside (its .damaged name) and said
+    in one line, since until the next save the newest is then the run's only good checkpoint; one that would need to
+    run code to load is said in one line and left alone. Nothing is said of a missing or good one."""
+    if not present(previous):
+        return
+    try:
+        load_checkpoint(previous)
+    except DamagedCheckpoint as err:
+        why = str(err).rsplit("; pass another", 1)[0]
+        try:
+            os.replace(previous, damaged_path(previous))
+            kept = f"it is kept as '{damaged_path(previous)}'"
+        except OSError as move:
+            kept = f"it could not be moved aside ({move.strerror})"
+        logging.warning(f"{why}; {kept}: until the next checkpoint is written the newest is this run's only good one")
+    except NeedsCode as err:
+        logging.warning(f"the previous checkpoint: {err}; until the next checkpoint is written the newest is this "
+                        "run's only one")
+
+
 def finish_interrupted_save(path):
     """Finish or undo a save_checkpoint that a crash cut short, so that `path` is the newest checkpoint and no
     temporary file is left (a run restarted at its final iteration trains no step and saves nothing: it would keep
@@ -202,10 +277,14 @@ def finish_interrupted_save(path):
     missing beside its previous one (the crash came between the renames) is the previous one again, as before that
     save. Rank 0 alone, in a locked run directory."""
     tmp_path, previous = f"{path}.tmp", previous_path(path)
-    whole = False
     if present(tmp_path):
+        whole, why = False, "cut short or damaged"
         try:
-            whole = verify_digest(torch.load(tmp_path, map_location="cpu", weights_only=False), tmp_path)
+            saved = read_as_data(tmp_path)
+            whole = isinstance(saved, dict) and DIGEST in saved and verify_digest(saved, tmp_path)
+            why = why if whole or (isinstance(saved, dict) and DIGEST in saved) else "not a save of train.py's"
+        except NeedsCode:
+            why = "it would need to run code to load, so it was not loaded"
         except Exception:  # cut short or damaged (a DamagedCheckpoint): not a checkpoint
             whole = False
         if whole:
@@ -215,6 +294,7 @@ def finish_interrupted_save(path):
             logging.warning(f"a save was cut short after writing '{tmp_path}', which is whole: it is now '{path}'")
             return
         os.remove(tmp_path)
+        logging.warning(f"'{tmp_path}' was removed ({why}); the checkpoints beside it are as they were")
     if not present(path) and present(previous):
         os.replace(previous, path)
         logging.warning(f"checkpoint '{path}' was missing (a save cut between its two renames): '{previous}' is "
@@ -340,7 +420,14 @@ def load_model_state(model, state, path, saved_name=lambda name: name, shard=lam
 
 
 def get_rng_states():
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random states as data (tensors, ints, floats, strings: what weights_only loading reads): torch's
+    and CUDA's byte tensors, numpy's Mersenne Twister (its 624 keys as an int64 tensor), Python's."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+              "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
@@ -348,7 +435,10 @@ def get_rng_states():
 
 def set_rng_states(states):
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
+    numpy = states["numpy"]
+    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
+                         numpy["cached_gaussian"]))
+    python = states["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])

@@ -22,9 +22,9 @@ import resilience
 from lifecycle import signals
 from lifecycle.checkpoint import (
     get_rng_states,
+    has_checkpoint,
     load_model_state,
     load_on_every_rank,
-    present,
     previous_path,
     save_checkpoint,
     set_rng_states,
@@ -139,7 +139,7 @@ def start_run(args, params, grid, layout):
 
     # the run directory's own checkpoint wins (a restarted job that passes --resume again goes on from its latest
     # state); rank 0 decides, so every rank starts at the same iteration
-    own = store.on_rank0(lambda: present(checkpoint_path) or present(previous_path(checkpoint_path)))
+    own = store.on_rank0(lambda: has_checkpoint(checkpoint_path))
     run.resume_path = store.broadcast_from_rank0(checkpoint_path if own else args.resume)
     if args.resume and run.resume_path == checkpoint_path and os.path.abspath(args.resume) != checkpoint_path:
         logging.info(f"The run directory holds its own checkpoint; resuming from {checkpoint_path}, not {args.resume}")

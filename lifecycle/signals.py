@@ -96,7 +96,8 @@ def install():
     """Record SIGTERM, SIGINT and SIGUSR1 from now on (main thread), keeping one recorded since `record_from_start()`
     (a new run in the same process forgets an old one); `uninstall()` puts the old handlers back."""
     kept = _state["received"] if _state["early"] and _state["pid"] == os.getpid() else None
-    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False, parent=os.getppid(), ending=None)
+    _state.update(received=kept, agreed=None, pid=os.getpid(), early=False, parent=os.getppid(), ending=None,
+                  launcher_died=False)
     _in_flight.clear()
     for signum in STOP_SIGNALS:
         _handle(signum)
@@ -118,8 +119,16 @@ def agreed():
     from resilience import host  # here, not at the top: this module is imported before torch
     number = host.max_over_ranks_on_host(_state["received"] or 0)
     if number:
-        _state["agreed"] = signal.Signals(number).name
+        _state["agreed"] = _name(number)
     return _state["agreed"]
+
+
+def _name(number):
+    """How the stop is said: the signal's name, or for this process's dead launcher (which no signal announced) its
+    launcher's death."""
+    if number == signal.SIGHUP and _state.get("launcher_died"):
+        return "its launcher's death"
+    return signal.Signals(number).name
 
 
 def launcher_gone():
@@ -135,6 +144,7 @@ def _notice_a_dead_launcher():
     step, with a checkpoint, exit 75."""
     if _state["received"] is None and launcher_gone():
         _state["received"] = signal.SIGHUP
+        _state["launcher_died"] = True
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once a node: every rank of it lost the same launcher
             logging.warning(f"the launcher (process {_state['parent']}) is gone: stopping after this step, with a "
                             "checkpoint")
@@ -153,7 +163,7 @@ def agreed_in_loop():
     while len(_in_flight) > lag:
         number = max(number, _in_flight.popleft().wait())
     if number and _state["agreed"] is None:
-        _state["agreed"] = signal.Signals(number).name
+        _state["agreed"] = _name(number)
     return _state["agreed"]
 
 

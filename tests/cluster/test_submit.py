@@ -540,7 +540,7 @@ def test_a_job_stopped_before_its_time_limit_requeues_and_its_rerun_ends_like_an
     assert first.returncode == 75, first.stderr[-3000:]
     stopped = re.search(r"stopped by SIGUSR1 at iteration (\d+); starting again resumes here", first.stderr)
     assert stopped and 64 <= int(stopped.group(1)) < 100, first.stderr[-3000:]
-    assert torch.load(checkpoint, weights_only=False)["iteration"] == int(stopped.group(1))
+    assert torch.load(checkpoint, weights_only=True)["iteration"] == int(stopped.group(1))
     assert f"stopped by a signal with a checkpoint; requeueing job {job_id(first)} to resume" in first.stdout
     assert requeues(tmp_path) == [f"requeue {job_id(first)}"]
 
@@ -550,9 +550,9 @@ def test_a_job_stopped_before_its_time_limit_requeues_and_its_rerun_ends_like_an
     assert "Resumed from" in second.stderr  # it really resumed (the comparison below could pass otherwise)
     assert requeues(tmp_path) == [] and "requeueing" not in second.stdout
 
-    final = torch.load(checkpoint, weights_only=False)
+    final = torch.load(checkpoint, weights_only=True)
     reference = torch.load(tmp_path / "whole" / "runs" / "tiny" / "2GPU" / "00" / "checkpoints" / "ckpt.pt",
-                           weights_only=False)
+                           weights_only=True)
     assert final["iteration"] == reference["iteration"] == 100
     for name, weight in reference["model"].items():
         torch.testing.assert_close(final["model"][name], weight, rtol=1e-6, atol=0, msg=name)
@@ -650,7 +650,7 @@ def test_torchrun_under_srun_keeps_the_warning_signals_checkpoint_only_when_it_i
     stopped = re.search(r"stopped by SIGUSR1 at iteration (\d+); starting again resumes here", result.stderr)
     if protected:
         assert stopped and result.returncode != 0, result.stderr[-3000:]
-        assert torch.load(checkpoint, weights_only=False)["iteration"] == int(stopped.group(1))
+        assert torch.load(checkpoint, weights_only=True)["iteration"] == int(stopped.group(1))
         assert (tmp_path / "requeue-marker").exists()
     else:
         assert "killing the 2 processes left in the step" in result.stderr, result.stderr[-3000:]

@@ -152,7 +152,7 @@ def run_summary(run_dir):
     events = EventAccumulator(os.path.join(run_dir, "logs"))
     events.Reload()
     losses = {(tag, e.step): e.value for tag in ("Loss/train", "Loss/valid") for e in events.Scalars(tag)}
-    weights = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["model"]
+    weights = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["model"]
     return losses, weights
 
 

@@ -22,7 +22,7 @@ def test_train_on_gpu_with_bf16_fused_and_profiler_window(era5_dir, tmp_path, mo
     run_dir = os.path.join(str(tmp_path), "tiny", "1GPU", "00")
     log = open(os.path.join(run_dir, "out.log")).read()
     assert "datasheet" in log or "measured torch.bfloat16 and torch.float32 matmul on cuda" in log
-    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
     assert checkpoint["iteration"] == 140
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
 
@@ -47,7 +47,7 @@ def test_resnet_dataparallel_channels_last_fp16_on_gpu(tmp_path, monkeypatch):
                 str(tmp_path), "--num_iters", "5", "--parallel", "dp", "--enable_nhwc", "--amp_mode", "fp16",
                 "--enable_fused"])
     checkpoint = torch.load(os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt"),
-                            weights_only=False)
+                            weights_only=True)
     assert checkpoint["iteration"] == 5 and checkpoint["scaler"]["scale"] > 0
     assert all(torch.isfinite(v.float()).all() for v in checkpoint["model"].values())
 

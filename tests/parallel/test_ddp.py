@@ -16,7 +16,7 @@ def trained_weights(era5_dir, expdir, nproc, *flags):
     result = run_ranks(argv, nproc) if nproc > 1 else run_command(argv)  # plain ranks: torchrun is not under test
     assert result.returncode == 0, result.stderr[-3000:]
     path = os.path.join(str(expdir), "tiny", f"{nproc}GPU", "00", "checkpoints", "ckpt.pt")
-    return torch.load(path, weights_only=False)["model"], result.stderr
+    return torch.load(path, weights_only=True)["model"], result.stderr
 
 
 def max_difference(a, b):

@@ -32,7 +32,7 @@ def run(era5_dir, expdir, yaml, *flags):
     run_dir = os.path.join(str(expdir), "tiny", "1GPU", "00")
     events = EventAccumulator(os.path.join(run_dir, "logs"))
     events.Reload()
-    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False), events
+    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True), events
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,7 +40,7 @@ def newest_of(expdir):
 
 def largest_weight(path):
     """The bytes of the largest float32 tensor of the checkpoint's model, as written in the file."""
-    model = torch.load(path, weights_only=False)["model"]
+    model = torch.load(path, weights_only=True)["model"]
     name = max((n for n in model if model[n].dtype == torch.float32), key=lambda n: model[n].numel())
     return name, model[name].numpy().tobytes()
 
@@ -77,7 +76,7 @@ def written(tmp_path_factory):
         patch.delenv("WORLD_SIZE", raising=False)
         train.main(tiny(data, root / "whole", *FLAGS))
         train.main(tiny(data, root / "split", *FLAGS, "--stop_at_iter", "8"))
-    whole = torch.load(newest_of(root / "whole"), weights_only=False)
+    whole = torch.load(newest_of(root / "whole"), weights_only=True)
     return data, root / "split", whole, root / "whole"
 
 
@@ -107,7 +106,7 @@ def test_a_flip_in_the_newest_checkpoint_resumes_from_the_previous_one(written, 
     capsys.readouterr()
     train.main(tiny(data, tmp_path / "exp", *FLAGS))
     err = capsys.readouterr().err
-    resumed = torch.load(newest, weights_only=False)
+    resumed = torch.load(newest, weights_only=True)
     assert resumed["iteration"] == 12
     if checked:
         previous = previous_path(newest)
@@ -149,26 +148,27 @@ def test_a_flip_in_both_checkpoints_stops_the_run_in_one_line(written, tmp_path,
         train.main(tiny(data, tmp_path / "exp", *FLAGS))
         err = capsys.readouterr().err
         assert f"Resumed from {newest} at iteration 8" in err and "does not hold what was written" not in err, err
-        assert not same_weights(torch.load(newest, weights_only=False)["model"], whole["model"])
+        assert not same_weights(torch.load(newest, weights_only=True)["model"], whole["model"])
 
 
 def test_the_digest_covers_every_tensor_and_value_and_survives_a_round_trip(tmp_path):
     """What save_checkpoint wrote loads back equal and checked; changing any tensor byte, a dtype, a shape, a number
-    or a numpy RNG state changes the digest (the comparison can fail)."""
+    or numpy's RNG keys changes the digest (the comparison can fail)."""
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
-             "iteration": 8, "lr": 1e-3, "rng": ("MT19937", np.arange(4, dtype=np.uint32), 2, 0, 0.0),
+             "iteration": 8, "lr": 1e-3, "rng": {"name": "MT19937", "keys": torch.arange(4), "pos": 2, "has_gauss": 0,
+                                                 "cached_gaussian": 0.0},
              "scalar": torch.tensor(2.5), "empty": torch.zeros(0), "name": "tiny", "flag": None}
     path = str(tmp_path / "ckpt.pt")
     save_checkpoint(path, state)
     loaded = load_checkpoint(path)
     assert DIGEST not in loaded and state_digest(loaded) == state_digest(state)
-    assert torch.load(path, weights_only=False)[DIGEST] == state_digest(state)
+    assert torch.load(path, weights_only=True)[DIGEST] == state_digest(state)
     changes = [lambda s: s["model"]["w"].view(-1)[5].add_(1e-6), lambda s: s["model"].update(w=s["model"]["w"].T),
                lambda s: s["model"].update(b=s["model"]["b"].float()), lambda s: s.update(iteration=9),
-               lambda s: s.update(lr=1.0000000001e-3), lambda s: s["rng"][1].__setitem__(0, 7),
+               lambda s: s.update(lr=1.0000000001e-3), lambda s: s["rng"]["keys"].__setitem__(0, 7),
                lambda s: s.update(name="tiny2"), lambda s: s.update(flag=False)]
     for change in changes:
-        changed = torch.load(path, weights_only=False)
+        changed = torch.load(path, weights_only=True)
         written = changed.pop(DIGEST)
         change(changed)
         assert state_digest(changed) != written
@@ -269,7 +269,7 @@ def test_train_mp_checks_the_digest_of_the_checkpoint_it_gathers(written, tmp_pa
     capsys.readouterr()
     train_mp.main(tiny(data, tmp_path, *FLAGS))
     err = capsys.readouterr().err
-    resumed = torch.load(newest, weights_only=False)
+    resumed = torch.load(newest, weights_only=True)
     assert resumed["iteration"] == 12
     assert ("does not hold what was written" in err) == checked, err
     assert same_weights(resumed["model"], whole["model"]) == checked

@@ -90,7 +90,7 @@ def train_commands(*runs, data_dir, stage="resnet", flags=()):
 
 
 def final_weights(run_dir):
-    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["model"]
+    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["model"]
 
 
 @needs_x86_64

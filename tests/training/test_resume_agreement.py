@@ -185,7 +185,7 @@ def written_run(tmp_path_factory):
     run_dir = root / "exp" / "tiny" / "2GPU" / "00"
     os.rename(root / "exp" / "tiny" / "1GPU", run_dir.parent)
     folder = run_dir / "checkpoints"
-    assert [torch.load(folder / name, weights_only=False)["iteration"] for name in ("ckpt.pt", "ckpt_previous.pt")] \
+    assert [torch.load(folder / name, weights_only=True)["iteration"] for name in ("ckpt.pt", "ckpt_previous.pt")] \
         == [4, 2]
     return data, root / "exp"
 
@@ -239,7 +239,7 @@ def test_a_damaged_newest_checkpoint_sends_every_rank_to_the_previous_one(writte
         assert f"test: rank {rank} resumed at iteration 2 from {previous}" in outputs[rank], outputs[rank][-3000:]
     assert len(re.findall(r"cannot be read \(.*\): it is damaged, .*; resuming from the previous checkpoint "
                           rf"'{re.escape(previous)}' \(iteration 2\)", console)) == 1
-    assert torch.load(checkpoint, weights_only=False)["iteration"] == 6
+    assert torch.load(checkpoint, weights_only=True)["iteration"] == 6
 
 
 @pytest.mark.multiprocess
@@ -254,9 +254,9 @@ def test_two_ranks_check_the_digest_of_rank_0s_choice(written_run, tmp_path, how
     from tests.training.test_checkpoint_digest import damage
     checkpoint = copy_of(written_run, tmp_path)
     previous = previous_path(checkpoint)
-    original = torch.load(checkpoint, weights_only=False)["model"]
+    original = torch.load(checkpoint, weights_only=True)["model"]
     name = [damage(path, how) for path in ([checkpoint] if where == "newest" else [checkpoint, previous])][0]
-    assert not torch.equal(torch.load(checkpoint, weights_only=False)["model"][name], original[name])
+    assert not torch.equal(torch.load(checkpoint, weights_only=True)["model"][name], original[name])
     codes, outputs = two_ranks(written_run[0], tmp_path, unchecked=not checked)
     console = "".join(outputs)
     flipped = f"checkpoint '{checkpoint}' does not hold what was written (its digest differs"

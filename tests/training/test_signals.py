@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def points_and_weights(run_dir):
-    return scalar_points(run_dir), torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    return scalar_points(run_dir), torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
 
 
 def assert_same_run(run_dir, reference_dir):
@@ -86,7 +86,7 @@ def test_sigterm_checkpoints_exits_75_and_the_restarted_run_equals_an_uninterrup
     iteration = stopped_at(output, "SIGTERM")
     run_dir = os.path.join(str(tmp_path / "split"), "tiny", "1GPU", "00")
     assert 0 < iteration < 400
-    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == iteration
+    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["iteration"] == iteration
     again = run_command(argv + ["--expdir", str(tmp_path / "split")])
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"Resumed from {run_dir}/checkpoints/ckpt.pt at iteration {iteration}" in again.stderr
@@ -100,7 +100,7 @@ def test_ctrl_c_and_slurms_warning_signal_stop_the_same_way(era5_dir, tmp_path, 
     assert code == 75, output[-3000:]
     iteration = stopped_at(output, signal.Signals(signum).name)
     checkpoint = os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt")
-    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration < 2000
+    assert torch.load(checkpoint, weights_only=True)["iteration"] == iteration < 2000
 
 
 def test_without_the_handler_a_signal_kills_the_run_without_a_checkpoint(era5_dir, tmp_path):
@@ -129,7 +129,7 @@ def test_under_torchrun_at_tp2_both_ranks_stop_after_the_same_step_and_resume_ex
     assert 0 < iteration < 96
     assert re.search(r"exitcode\s*:\s*75|exit code 75|exitcode: 75", output) or "SignalException" in output
     run_dir = os.path.join(str(tmp_path / "split"), "tiny", "2MP", "00")
-    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == iteration
+    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["iteration"] == iteration
     again = run_command(argv + ["--expdir", str(tmp_path / "split")], nproc=2)
     assert again.returncode == 0, again.stderr[-2000:]
     assert_same_run(run_dir, os.path.join(str(tmp_path / "whole"), "tiny", "2MP", "00"))
@@ -234,7 +234,7 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_exits_75_and_r
     assert "Traceback" not in output and "killed by signal" not in output
     iteration = stopped_at(output, "SIGTERM")
     run_dir = os.path.join(str(tmp_path / "split"), "tiny", "1GPU", "00")
-    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == iteration
+    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["iteration"] == iteration
     assert whole.wait(timeout=300) == 0, (tmp_path / "whole.log").read_text()[-3000:]
     again = run_command(argv + ["--expdir", str(tmp_path / "split")])
     assert again.returncode == 0, again.stderr[-2000:]
@@ -258,7 +258,7 @@ def test_slurms_warning_and_ctrl_c_to_every_process_with_loader_workers_stop_wit
     assert "Traceback" not in output
     iteration = stopped_at(output, signal.Signals(signum).name)
     checkpoint = os.path.join(str(tmp_path), "tiny", "1GPU", "00", "checkpoints", "ckpt.pt")
-    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+    assert torch.load(checkpoint, weights_only=True)["iteration"] == iteration
 
 
 @pytest.mark.compat  # also on the container's torch 2.5
@@ -278,7 +278,7 @@ def test_sigterm_to_torchrun_its_ranks_and_their_workers_stops_every_rank_with_a
     assert "killed by signal" not in output and "DataLoader worker" not in output, output[-3000:]
     assert re.search(r"exitcode\s*:\s*75|exit code 75", output) or "SignalException" in output, output[-3000:]
     checkpoint = os.path.join(str(tmp_path), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
-    assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+    assert torch.load(checkpoint, weights_only=True)["iteration"] == iteration
 
 
 def handles(pid, signum):
@@ -438,8 +438,8 @@ def training_ranks(launcher, log_path, expdir):
 def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, tmp_path, switched_off):
     """Slurm's warning signal to a step run by torchrun: torchrun does not forward SIGUSR1 and dies of it, while its
     two ranks, each in a session of its own, never hear of it. Each rank notices its launcher is gone at the next
-    step boundary and stops as if signalled: a checkpoint, `stopped by SIGHUP`, the run lock released. Twin, with
-    that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
+    step boundary and stops as if signalled: a checkpoint, `stopped by its launcher's death`, the run lock released.
+    Twin, with that check switched off: the orphaned ranks train on (still running well after torchrun died)."""
     expdir = str(tmp_path / f"orphans_{switched_off}")
     launcher, log_path = start_orphan_job(era5_dir, tmp_path, expdir, switched_off=switched_off, unsaid=False)
     try:
@@ -455,10 +455,10 @@ def test_ranks_whose_torchrun_died_of_sigusr1_stop_with_a_checkpoint(era5_dir, t
             assert len(running) == 2 and "stopped by" not in output, output[-3000:]
             return
         assert not running, output[-3000:]
-        iteration = stopped_at(output, "SIGHUP")
+        iteration = stopped_at(output, "its launcher's death")
         assert "the launcher (process" in output and "Traceback" not in output, output[-3000:]
         checkpoint = os.path.join(expdir, "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
-        assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+        assert torch.load(checkpoint, weights_only=True)["iteration"] == iteration
     finally:
         for pid in ranks_of(expdir):
             with contextlib.suppress(ProcessLookupError):
@@ -486,9 +486,9 @@ def test_torchrun_killed_with_its_process_group_is_said_as_the_launchers_death(e
             time.sleep(0.2)
         output = log_path.read_text()
         assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], output[-3000:]
-        iteration = stopped_at(output, "SIGHUP")
+        iteration = stopped_at(output, "its launcher's death")
         checkpoint = os.path.join(expdir, "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
-        assert torch.load(checkpoint, weights_only=False)["iteration"] == iteration
+        assert torch.load(checkpoint, weights_only=True)["iteration"] == iteration
         assert output.count(f"the launcher (process {launcher.pid}) is gone: stopping after this step") == 1, \
             output[-3000:]
         if said:

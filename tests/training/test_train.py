@@ -118,7 +118,7 @@ def test_loss_falls_and_num_iters_are_run(tiny_run):
     valid = [e.value for e in events.Scalars("Loss/valid")]
     rmse = [e.value for e in events.Scalars("RMSE(u10m)/valid")]
     assert valid[-1] < 0.8 * valid[0] and rmse[-1] < rmse[0]
-    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
     assert checkpoint["iteration"] == 150 and checkpoint["scheduler"]["last_epoch"] == 150
     assert not [f for f in os.listdir(os.path.join(run_dir, "checkpoints")) if f.endswith(".tmp")]
 
@@ -127,7 +127,7 @@ def test_loss_falls_and_num_iters_are_run(tiny_run):
 @pytest.mark.parametrize("flags", [["--amp_mode", "bf16"], ["--enable_fused"], ["--amp_mode", "fp16"]])
 def test_precision_and_fused_paths_train_on_cpu(era5_dir, tmp_path, flags):
     run_dir = run_train(era5_dir, tmp_path, "--num_iters", "20", *flags)
-    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
     assert checkpoint["iteration"] == 20
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
     with open(os.path.join(run_dir, "out.log")) as log_file:

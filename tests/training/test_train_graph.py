@@ -105,7 +105,7 @@ def run_tiny(main, era5_dir, expdir, layout, steps=STEPS):
     events = EventAccumulator(os.path.join(run_dir, "logs"))
     events.Reload()
     points = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
-    return points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    return points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +290,7 @@ def run_on_gpu(main, yaml, data_dir, expdir, layout, flags, iters=30):
     main(["--yaml_config", yaml, "--config", "tiny", "--data_dir", data_dir, "--expdir", str(expdir),
           "--num_iters", str(iters), *flags])
     run_dir = os.path.join(str(expdir), "tiny", layout, "00")
-    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False, map_location="cpu")
+    return torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True, map_location="cpu")
 
 
 def differences(got, expected):
@@ -407,7 +407,7 @@ def test_mp_graphs_tp2_equals_train_mp_over_nccl(era5_dir, tmp_path):
         events.Reload()
         points = {(tag, e.step): e.value for tag in events.Tags()["scalars"] if "per sec" not in tag
                   for e in events.Scalars(tag)}
-        results[script] = points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False,
+        results[script] = points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True,
                                              map_location="cpu")
     (eager_points, eager_checkpoint), (points, checkpoint) = results["train_mp.py"], results["train_mp_graphs.py"]
     assert points == pytest.approx(eager_points, rel=1e-3)

@@ -33,7 +33,7 @@ def results(run_dir):
     timings = {"Avg iters per sec", "Avg samples per sec"}
     points = {(tag, e.step): e.value for tag in events.Tags()["scalars"] if tag not in timings
               for e in events.Scalars(tag)}
-    return points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    return points, torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2
     """Weights and Adam's moments gathered to the serial layout: train.py continues the run exactly. The checkpoint
     records the layout that wrote it (the log says so when another resumes it); train.py's own is the serial one."""
     from utils.layout import Layout
-    written = torch.load(tp2_cp2[2], weights_only=False)["layout"]
+    written = torch.load(tp2_cp2[2], weights_only=True)["layout"]
     assert Layout(**written) == Layout(tp=2, cp=2, sequence_parallel=True, checkpointing=True)
     train.main(["--config", "tiny", "--data_dir", era5_dir, "--expdir", str(tmp_path), "--num_iters", ITERS,
                 "--resume", tp2_cp2[2]])
@@ -163,7 +163,7 @@ def test_train_py_resumes_a_tp2_x_cp2_checkpoint(era5_dir, tmp_path, serial, tp2
     assert_same_run(results(resumed_dir), serial, after_step=10)
     log = open(os.path.join(resumed_dir, "out.log")).read()
     assert "The checkpoint was written at DP = 1, TP = 2, CP = 2; resumed at DP = 1, TP = 1, CP = 1" in log
-    own = torch.load(os.path.join(resumed_dir, "checkpoints", "ckpt.pt"), weights_only=False)["layout"]
+    own = torch.load(os.path.join(resumed_dir, "checkpoints", "ckpt.pt"), weights_only=True)["layout"]
     assert Layout(**own) == Layout()
 
 
@@ -219,7 +219,7 @@ def _load_and_train(rank, world, port, checkpoints, results):
     inp, tar = torch.randn(2, 20, 16, 32, generator=generator), torch.randn(2, 20, 16, 32, generator=generator)
     out = {}
     for label, path in checkpoints.items():
-        load_serial_state_dict(model, torch.load(path, weights_only=False)["model"], path)
+        load_serial_state_dict(model, torch.load(path, weights_only=True)["model"], path)
         with torch.no_grad():
             out[label] = loss_fn(model(inp), tar).item()
     ddp = init_ddp_model_and_reduction_hooks(model, grid, torch.device("cpu"))
@@ -261,7 +261,7 @@ def test_checkpoints_load_at_any_layout_and_shared_weights_stay_equal(tmp_path, 
     serial_losses = {}
     for label, path in paths.items():
         model = get_model(params)
-        load_model_state(model, torch.load(path, weights_only=False)["model"], path)
+        load_model_state(model, torch.load(path, weights_only=True)["model"], path)
         with torch.no_grad():
             serial_losses[label] = get_loss(params)(model(inp), tar).item()
     found = mp.Manager().dict()

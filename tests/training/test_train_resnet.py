@@ -80,7 +80,7 @@ def test_channels_last_bf16_and_dataparallel_run_on_cpu(cifar_dir, tmp_path):
     run_dir, _, log = run_resnet(cifar_dir, tmp_path, "--num_iters", "3", "--amp_mode", "bf16", "--enable_nhwc",
                                  "--enable_fused", "--parallel", "dp")
     assert "enable_nhwc True" in log and "amp_dtype torch.bfloat16" in log and "DONE ---- rank 0" in log
-    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)
     assert checkpoint["iteration"] == 3
     assert not any(name.startswith("module.") for name in checkpoint["model"])  # unwrapped weights
 
@@ -110,7 +110,7 @@ def ddp_weights(cifar_dir, tmp_path, nproc, *flags):
     result = run_ranks(argv, nproc) if nproc > 1 else run_command(argv)  # plain ranks: torchrun is not under test
     assert result.returncode == 0, result.stderr[-3000:]
     path = os.path.join(str(tmp_path), "equal", f"{nproc}GPU", "00", "checkpoints", "ckpt.pt")
-    return torch.load(path, weights_only=False)["model"]
+    return torch.load(path, weights_only=True)["model"]
 
 
 @pytest.mark.multiprocess
