@@ -1,12 +1,12 @@
 """The hand-written tp/cp layers against the serial layers, and against PyTorch's own DTensor (tensor parallelism,
 and sequence parallelism with the tokens sharded in and out, with a twin: the bias gradient left unsummed over tp).
 
-In the style of the original tutorial's tests: a serial layer and its distributed twin hold the same weights
-(the twin its shard), see the same input (the twin its sequence chunk) and the same output gradient; the
-outputs, the input gradients and every weight gradient (summed over the groups in `mark_for_reduction`) must
-agree to a relative Frobenius error of 1e-5 in fp32, for tp, cp and tp x cp, with even and uneven sequence
-splits, on gloo (CPU). A failure points to distributed/mappings.py (a wrong backward), distributed/helpers.py
-(uneven collectives) or distributed/layers.py (shards, bias handling, gathered keys/values).
+In the style of the original tutorial's tests: a serial layer and its distributed version hold the same weights
+(the distributed one its shard), see the same input (the distributed one its sequence chunk) and the same output
+gradient; the outputs, the input gradients and every weight gradient (summed over the groups in
+`mark_for_reduction`) must agree to a relative Frobenius error of 1e-5 in fp32, for tp, cp and tp x cp, with even
+and uneven sequence splits, on gloo (CPU). A failure points to distributed/mappings.py (a wrong backward),
+distributed/helpers.py (uneven collectives) or distributed/layers.py (shards, bias handling, gathered keys/values).
 """
 
 import pytest
@@ -164,42 +164,42 @@ def _dtensor_cross_check(rank, world, port, results):
     replicated = distribute_tensor(x, mesh, [Shard(2)]).redistribute(mesh, [Replicate()]).to_local()
     # our DistributedMLP vs parallelize_module(fc1 colwise, fc2 rowwise) on the same serial weights
     serial = MLP(16, 64)
-    twin = MLP(16, 64)
-    twin.load_state_dict(serial.state_dict())
+    reference = MLP(16, 64)
+    reference.load_state_dict(serial.state_dict())
     ours_mlp = DistributedMLP(16, 64)
     ours_mlp.load_serial(serial)
-    parallelize_module(twin, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    parallelize_module(reference, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_ours, y_theirs = ours_mlp(x_ours), twin(x_theirs)
+    y_ours, y_theirs = ours_mlp(x_ours), reference(x_theirs)
     y_ours.sum().backward()
     y_theirs.sum().backward()
     checks = {
         "scatter": torch.equal(ours, theirs), "gather": torch.equal(gathered, replicated),
         "output": rel_error(y_ours.detach(), y_theirs.detach()),
         "input grad": rel_error(x_ours.grad, x_theirs.grad),
-        "fc1 weight grad": rel_error(ours_mlp.fc1.weight.grad, twin.fc1.weight.grad.to_local()),
-        "fc2 weight grad": rel_error(ours_mlp.fc2.weight.grad, twin.fc2.weight.grad.to_local()),
-        "fc2 bias grad": rel_error(ours_mlp.fc2.bias.grad.view(-1), twin.fc2.bias.grad.full_tensor()),
+        "fc1 weight grad": rel_error(ours_mlp.fc1.weight.grad, reference.fc1.weight.grad.to_local()),
+        "fc2 weight grad": rel_error(ours_mlp.fc2.weight.grad, reference.fc2.weight.grad.to_local()),
+        "fc2 bias grad": rel_error(ours_mlp.fc2.bias.grad.view(-1), reference.fc2.bias.grad.full_tensor()),
     }
     # sequence parallelism: our MLP on this rank's tokens (all-gather in, reduce-scatter out) against torch's
     # Colwise/RowwiseParallel with the tokens sharded on both sides (the SequenceParallel style's layouts)
     ours_sp = DistributedMLP(16, 64, sequence_shapes=[3, 3])
     ours_sp.load_serial(serial)
-    twin_sp = MLP(16, 64)
-    twin_sp.load_state_dict(serial.state_dict())
-    parallelize_module(twin_sp, mesh, {"fc1": ColwiseParallel(input_layouts=Shard(1)),
+    reference_sp = MLP(16, 64)
+    reference_sp.load_state_dict(serial.state_dict())
+    parallelize_module(reference_sp, mesh, {"fc1": ColwiseParallel(input_layouts=Shard(1)),
                                        "fc2": RowwiseParallel(output_layouts=Shard(1))})
     tokens = split(x, 1, "tp")  # (2, 3, 16): this rank's half of the 6 tokens
     x_ours, x_theirs = tokens.clone().requires_grad_(), tokens.clone().requires_grad_()
-    y_ours, y_theirs = ours_sp(x_ours), twin_sp(x_theirs)
+    y_ours, y_theirs = ours_sp(x_ours), reference_sp(x_theirs)
     y_ours.sum().backward()
     y_theirs.sum().backward()
-    bias_grad = twin_sp.fc2.bias.grad.full_tensor()
+    bias_grad = reference_sp.fc2.bias.grad.full_tensor()
     checks.update({
         "sp output": rel_error(y_ours.detach(), y_theirs.detach()),
         "sp input grad": rel_error(x_ours.grad, x_theirs.grad),
-        "sp fc1 weight grad": rel_error(ours_sp.fc1.weight.grad, twin_sp.fc1.weight.grad.to_local()),
-        "sp fc2 weight grad": rel_error(ours_sp.fc2.weight.grad, twin_sp.fc2.weight.grad.to_local()),
+        "sp fc1 weight grad": rel_error(ours_sp.fc1.weight.grad, reference_sp.fc1.weight.grad.to_local()),
+        "sp fc2 weight grad": rel_error(ours_sp.fc2.weight.grad, reference_sp.fc2.weight.grad.to_local()),
         # the bias meets this rank's tokens only: its gradient is summed over tp (mark_for_reduction) ...
         "sp fc2 bias grad": rel_error(reduce(ours_sp.fc2.bias.grad, "tp").view(-1), bias_grad),
         "sp marked for the tp sum": "tp" in ours_sp.fc2.bias.mark_for_reduction,

@@ -357,12 +357,9 @@ STOPPED_SCRIPT = """\
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import torch
-import resilience.peers
 import resilience.watch
 import train
 
-if {old_wording}:  # gloo's "Application timeout caused pair closure" (DDP's all-reduce) not taken for a timeout
-    resilience.peers.TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 if {no_freeze_watch}:  # a rank woken after a stop does not know it was stopped
     resilience.watch.was_frozen = lambda: False
 backwards, real_backward = [0], torch.autograd.backward
@@ -389,14 +386,13 @@ def stopped(pid):
         return False
 
 
-def stop_a_rank(era5, tmp_path, stopped_rank, local_ranks=(0, 1), old_wording=False, no_freeze_watch=False):
+def stop_a_rank(era5, tmp_path, stopped_rank, local_ranks=(0, 1), no_freeze_watch=False):
     """2 plain ranks of train.py (tiny, --collective_timeout 5); rank `stopped_rank` stops itself (SIGSTOP) before
     its 5th backward, so the other waits for it in DDP's gradient all-reduce; once the other has exited it is woken
     (SIGCONT). Returns (exit codes, outputs, seconds from the stop to the other rank's exit). `local_ranks`: each
     rank's LOCAL_RANK ((0, 0): as on two nodes)."""
     script = tmp_path / "rank.py"
-    script.write_text(STOPPED_SCRIPT.format(root=REPO_ROOT, old_wording=old_wording, no_freeze_watch=no_freeze_watch,
-                                            stopped=stopped_rank))
+    script.write_text(STOPPED_SCRIPT.format(root=REPO_ROOT, no_freeze_watch=no_freeze_watch, stopped=stopped_rank))
     port, processes, logs = free_port(), [], []
     for rank in range(2):
         env = plain_rank_env(rank, 2, port)
@@ -435,11 +431,14 @@ def stop_a_rank(era5, tmp_path, stopped_rank, local_ranks=(0, 1), old_wording=Fa
 @pytest.mark.compat  # gloo's words for a timeout on torch 2.5 too
 @pytest.mark.parametrize("stopped", [1, pytest.param(0, marks=pytest.mark.long)])
 def test_a_stopped_rank_is_named_by_the_rank_that_timed_out_and_stays_quiet_when_woken(era5, tmp_path, stopped):
-    """Rank `stopped` is stopped (SIGSTOP) before a backward: the other's all-reduce (in DDP's backward) times out as
-    gloo's "Application timeout caused pair closure"; it says, in the job's one line, which rank did not reach the
-    collective, and exits 2 within the timeout (5 s), the census (1 s) and, where rank 0 is the one stopped, the
-    wait for its store (5 s), with a margin for a machine twice as slow; the stopped rank, woken after that, exits
-    without a line. (Rank 0 stopped: the store it holds does not answer either.)"""
+    """Rank `stopped` is stopped (SIGSTOP) before a backward: the other's all-reduce (in DDP's backward) times out.
+    gloo says that in one of two wordings, not always the same one ("Timed out waiting ... for recv", or
+    "Application timeout caused pair closure"): this test holds for either and does not tell which came;
+    test_gloos_pair_closure_is_a_timeout_said_in_one_line checks the second in process. The rank that timed out says,
+    in the job's one line, which rank did not reach the collective, and exits 2 within the timeout (5 s), the census
+    (1 s) and, where rank 0 is the one stopped, the wait for its store (5 s), with a margin for a machine twice as
+    slow; the stopped rank, woken after that, exits without a line. (Rank 0 stopped: the store it holds does not
+    answer either.)"""
     codes, outputs, seconds = stop_a_rank(era5, tmp_path, stopped)
     console = "".join(outputs)
     errors = errors_of(outputs)

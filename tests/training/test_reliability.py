@@ -281,8 +281,8 @@ def test_disk_full_at_start_is_one_line_and_leaves_no_lock(small_era5, tmp_path,
     """The run lock is the first file a run writes: a full disk there is one line naming run.lock and the free space
     of the run directory's file system (not the working directory's), and no run.lock stays behind. The stand-in
     behaves as CPython's buffered file on a full disk (checked on a full 64 kB tmpfs): the write waits in the buffer,
-    flush() fails, and close() tries the flush again and fails too, and neither error names the file. Twin: before,
-    the second failure escaped as an OSError without a file name ("error: a write failed: ... 50.0 GB free in
+    flush() fails, and close() tries the flush again and fails too, and neither error names the file. Before the
+    fix, the second failure escaped as an OSError without a file name ("error: a write failed: ... 50.0 GB free in
     '<working directory>'") and left run.lock behind."""
     import lifecycle.run_lock
 
@@ -354,8 +354,8 @@ def test_free_space_below_a_gigabyte_is_in_megabytes(tmp_path, monkeypatch):
 def test_a_signal_before_the_first_step_says_what_the_start_wrote(small_era5, tmp_path, monkeypatch):
     """A signal received before start_run (here SIGUSR1 to this process, recorded from the start as a training
     script's first line does): the run stops with exit 75, and its line names every entry the start left in the run
-    directory (run.lock, out.log, an empty logs/) and no checkpoint. Twin: before, the line said "nothing was written"
-    beside those three."""
+    directory (run.lock, out.log, an empty logs/) and no checkpoint. Before the fix, the line said "nothing was
+    written" beside those three."""
     from lifecycle import signals
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # record_from_start wraps it
     signals.record_from_start()
@@ -535,7 +535,7 @@ def test_non_finite_validation_stops_the_run_naming_the_iteration(small_era5, tm
 def test_error_raised_in_a_loader_worker_is_still_one_line():
     """A UserError, and a key the config lacks (utils/YParams.MissingKey, a subclass built from its key), raised in a
     loader worker: re-raised by the DataLoader with the worker's traceback in its text, said as the message alone.
-    Twin: before, the MissingKey came back as "utils.YParams.MissingKey: config ..." (the class name kept)."""
+    Before the fix, the MissingKey came back as "utils.YParams.MissingKey: config ..." (the class name kept)."""
     from torch._utils import ExceptionWrapper
 
     from utils.errors import UserError, one_line
