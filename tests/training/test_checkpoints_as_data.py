@@ -6,9 +6,9 @@ tensors and numbers). A crafted checkpoint whose unpickling would create a file 
 given as --resume, as the run directory's own ckpt.pt, and as ckpt.pt.tmp beside a good ckpt.pt. Each is refused
 (the first two: one line, exit 2; the .tmp: removed, said, the run resumes from ckpt.pt) and no file appears; each
 twin reads with a full unpickle, as before, and the file appears. Also: a directory at ckpt.pt stops the run before
-training (twin: taken for "no checkpoint", the run trains and its save fails with a full disk's advice); a damaged ckpt_previous.pt is
-said at start and kept as .damaged (twin: not checked, nothing said); --resume of a directory says so; a checkpoint
-of the old format is refused with the command that converts it, and converted it resumes.
+training (twin: taken for "no checkpoint", the run trains and its save fails with a full disk's advice); a damaged
+ckpt_previous.pt is said at start and kept as .damaged (twin: not checked, nothing said); --resume of a directory says
+so; a checkpoint of the old format is refused with the command that converts it, and converted it resumes.
 A failure points to lifecycle/checkpoint.py (read_as_data, has_checkpoint, check_previous, finish_interrupted_save,
 get_rng_states) or lifecycle/convert_checkpoint.py.
 """
