@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from resilience import job, watch
-from resilience.store import failing_store
+from resilience.store import failing_store, stored_int
 from utils import comm, rendezvous
 from utils.compat import leave_process_group
 
@@ -130,7 +130,7 @@ def explain_lost_peer(err):
         deadline, pause = time.time() + LOST_PEER_CENSUS_S, rendezvous.store_poll_pause(world, 0.05)
         while time.time() < deadline and not store.check(["failed"]):
             time.sleep(pause)
-        failed = store.check(["failed"])
+        failed = stored_int(store, "failed") is not None  # a rank's number; anything else (not a rank's) is absent
         lost = None if failed else lost_if_lowest_alive(store, rank, world)
         if rank == 0:
             with contextlib.suppress(RuntimeError, OSError):  # gone meanwhile: nobody is left to ask it
@@ -204,7 +204,7 @@ def linger_for_the_others(store, world):
     found stalled, back within the wait, reads that the job stops and stays quiet)."""
     deadline = time.time() + LOST_PEER_LINGER_S
     while time.time() < deadline:
-        failing = int(store.get("failed")) if store.check(["failed"]) else None
+        failing = stored_int(store, "failed")  # None: absent, or not a rank's number
         failing_unmarked = failing is not None and not store.check([f"alive/{failing}"])
         if store.add("alive_count", 0) >= world - failing_unmarked:
             return

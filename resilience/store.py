@@ -5,11 +5,17 @@
   minutes), without a collective that --collective_timeout would end; they stop when rank 0's heartbeat stops
   (resilience/watch.py). Without a store (a single process, a dry run, a process group made elsewhere, torchrun's
   agent that held it gone) a collective broadcast.
+- Store values are data, never code: the store has no authentication, and any process that reaches MASTER_PORT can
+  set a key. A post is JSON (encode_post, decode_post: plain values only, at most POST_MAX_BYTES), so a foreign
+  value stops the reading rank in one line naming the key instead of running; a rank number the census reads
+  (stored_int) is an integer or taken as absent.
 - failing_store: the store with each request bounded, for the lines that stop a job (resilience/peers.py): its host,
   rank 0's process, may be frozen.
 """
 import contextlib
-import pickle
+import json
+import os
+import re
 import threading
 import time
 
@@ -17,13 +23,76 @@ import torch.distributed as dist
 
 from resilience import job, watch
 from utils import comm, rendezvous
-from utils.errors import UserError
+from utils.errors import OneRankError, UserError
 
 RANK0_POLL_S = (0.005, 0.5)  # how often a rank waiting for rank 0's post looks at the store: first, at most
 RANK0_SILENT_S = 20.0  # a rank 0 whose heartbeat has not moved for this long is gone (torchrun's agent holds the
 # store then, and kills every rank 30 s after one died): shorter than that, longer than any pause of a live thread
 RANK0_READ_WAIT_S = 10.0  # how long rank 0 waits for the others to read an error it posted before it exits
 FAILING_STORE_WAIT_S = 5.0  # how long a rank that is stopping waits for the store to answer (its host may be frozen)
+POST_MAX_BYTES = 64 * 1024  # the largest post of rank 0's a rank reads (a path, an iteration, an error line: < 1 KiB)
+PLAIN = (type(None), str, int, float, bool)  # what a post holds: one of these, or a list (a tuple) of them
+
+
+def _plain(obj):
+    """Whether `obj` is what a post may hold: None, str, int, float, bool, or a list or tuple of those."""
+    return isinstance(obj, PLAIN) or isinstance(obj, (list, tuple)) and all(isinstance(item, PLAIN) for item in obj)
+
+
+def encode_post(obj):
+    """Rank 0's `obj` as its post in the store: JSON bytes (a tuple comes back a list, which unpacks the same).
+    Anything else than plain data (PLAIN, or a list or tuple of it) is a bug of the caller: TypeError."""
+    if not _plain(obj):
+        raise TypeError(f"rank 0's post must be None, str, int, float, bool or a list or tuple of those, not "
+                        f"{type(obj).__name__}: {obj!r:.200}")
+    data = json.dumps(obj).encode()
+    if len(data) > POST_MAX_BYTES:
+        raise ValueError(f"rank 0's post is {len(data)} bytes, over POST_MAX_BYTES ({POST_MAX_BYTES})")
+    return data
+
+
+def decode_post(key, raw):
+    """Rank 0's post under `key`, read from the store as `raw` (encode_post's bytes). Anything else (not bytes, over
+    POST_MAX_BYTES, not UTF-8 JSON, not plain data: a pickle set by another process) is never run: the reading rank
+    stops with a OneRankError that names the key."""
+    if not isinstance(raw, (bytes, bytearray)):
+        what, why = f"a {type(raw).__name__} that is", "not bytes"
+    else:
+        what, why = f"{len(raw)} bytes that are", None
+        if len(raw) > POST_MAX_BYTES:
+            why = f"over the {POST_MAX_BYTES // 1024} KiB a post may hold"
+        else:
+            try:
+                obj = json.loads(bytes(raw).decode("utf-8"))
+            except UnicodeDecodeError:
+                why = "not UTF-8 text"
+            except (ValueError, RecursionError):
+                why = "not JSON"
+            else:
+                if _plain(obj):
+                    return obj
+                why = f"JSON, but a {type(obj).__name__} of values rank 0 never posts"
+    port = os.environ.get("MASTER_PORT")
+    raise OneRankError(f"the rendezvous store's key '{key}' holds {what} not rank 0's post ({why}): another "
+                       f"process reached this job's MASTER_PORT{f' ({port})' if port else ''} and wrote it (nothing of "
+                       "it was run); the job stops; check who else uses that port (another job, or a process left "
+                       "over), set MASTER_PORT to a free port and start again")
+
+
+def stored_int(store, key):
+    """The integer a rank wrote under `key` in the store (a rank number: "failed"), or None where the key is absent
+    or holds anything else (a foreign process's bytes): the lines that stop a job take that as absent and never
+    raise on it. Two requests, as the check and the get they replace."""
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    if isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw).decode("ascii", "replace")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if not isinstance(raw, str) or not re.fullmatch(r"-?[0-9]{1,18}", raw):
+        return None
+    return int(raw)
 
 
 def has_store():
@@ -98,7 +167,7 @@ def post_from_rank0(obj):
     job.notes["posts"] = job.notes.get("posts", 0) + 1  # every rank counts the same posts: the key of this one
     key = f"rank0_post/{job.notes['posts']}"
     if comm.get_world_rank() == 0:
-        store.set(key, pickle.dumps(obj))
+        store.set(key, encode_post(obj))
         return obj
     # 3 requests a look, from every other rank: slower on big jobs (at 4,096 ranks, every 1.2 s from the start)
     world = comm.world_size_to_be()
@@ -117,7 +186,7 @@ def post_from_rank0(obj):
                 raise RuntimeError(f"Connection closed by peer: rank 0's heartbeat stopped {RANK0_SILENT_S:g} s ago")
             time.sleep(pause)
             pause = min(2 * pause, longest)
-        obj = pickle.loads(store.get(key))
+        obj = decode_post(key, store.get(key))  # data, never code
         store.add(f"{key}/read", 1)
         return obj
     except dist.DistNetworkError:  # rank 0's process held the store: it is gone (resilience/exits.py: one line)
@@ -133,11 +202,12 @@ def until_read_after_error():
 
 
 def broadcast_from_rank0(obj):
-    """Rank 0's `obj` on every rank (a picklable Python object); the others wait until rank 0 gets here. Through
-    the rendezvous store where there is one (torchrun or srun): rank 0 posts it and goes on, the others poll the
-    store on the host, however long rank 0 takes (a checkpoint write, a dataset download), without a collective
-    that --collective_timeout (NCCL's watchdog) would end. Without a store (a dry run, a process group made
-    elsewhere, torchrun's agent that held it gone) a collective broadcast."""
+    """Rank 0's `obj` on every rank (plain data: None, str, int, float, bool, or a list or tuple of those, which
+    comes back a list; encode_post); the others wait until rank 0 gets here. Through the rendezvous store where
+    there is one (torchrun or srun): rank 0 posts it and goes on, the others poll the store on the host, however
+    long rank 0 takes (a checkpoint write, a dataset download), without a collective that --collective_timeout
+    (NCCL's watchdog) would end. Without a store (a dry run, a process group made elsewhere, torchrun's agent that
+    held it gone) a collective broadcast."""
     if not dist.is_initialized() or comm.is_dry_run():
         return obj
     if has_store():

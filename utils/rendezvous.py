@@ -146,15 +146,24 @@ def check_same_job(store, rank, addr, port, job=None):
         store.set("slurm_job_id", job)
         return
     try:
-        theirs = store.get("slurm_job_id").decode()  # waits for rank 0 (the store's timeout: --dist_timeout)
+        raw = store.get("slurm_job_id")  # waits for rank 0 (the store's timeout: --dist_timeout)
     except (dist.DistError, RuntimeError) as err:
         raise OneRankError(f"the rank 0 answering at {addr}:{port} never said which job it belongs to ({err}); if "
                            "another job shares this node, set MASTER_PORT to a free port and submit again") from None
+    # data from whatever answers at the port: any bytes are said, never decoded strictly (a job id is short ASCII)
+    theirs = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else str(raw)
     if theirs != job:
+        theirs = theirs if len(theirs) <= 40 and theirs.isprintable() else f"{theirs[:40]!r}, not a job id"
         raise OneRankError(f"the rank 0 answering at {addr}:{port} belongs to another job (Slurm job "
                            f"{theirs or 'none'}, this is {job or 'none'}): two jobs sharing a node took the same "
                            "port; set MASTER_PORT to a free port and submit again")
-    if store.add(f"rank_claims/{rank}", 1) != 1:
+    try:
+        claims = store.add(f"rank_claims/{rank}", 1)
+    except (dist.DistError, RuntimeError) as err:  # the key holds no count (another process's bytes): the host drops us
+        raise OneRankError(f"the store answering at {addr}:{port} holds a claim of rank {rank} that is not a count "
+                           f"({err}): another job (or a process left over) uses that port; set MASTER_PORT to a free "
+                           "port and start again") from None
+    if claims != 1:
         raise OneRankError(f"the job whose rank 0 answers at {addr}:{port} already has a rank {rank}: another job "
                            "(or a process left over) holds that port; set MASTER_PORT to a free port and start again")
 

@@ -9,7 +9,7 @@ requests.
 A failure points to resilience/peers.py (mark_alive, lost_if_lowest_alive, linger_for_the_others), resilience/store.py
 (broadcast_from_rank0) or utils/rendezvous.py (store_poll_pause, check_one_rank_per_gpu).
 """
-import pickle
+import json
 import threading
 import time
 
@@ -179,7 +179,7 @@ def test_the_wait_for_rank_0s_post_looks_every_1_2_s_at_4096_ranks(monkeypatch):
     store = CountingStore()
     monkeypatch.setitem(job.notes, "store", store)
     monkeypatch.setitem(job.notes, "posts", 0)
-    rank0 = threading.Timer(1.5, lambda: store.store.set("rank0_post/1", pickle.dumps("rank 0's answer")))
+    rank0 = threading.Timer(1.5, lambda: store.store.set("rank0_post/1", json.dumps("rank 0's answer").encode()))
     rank0.start()
     start = time.monotonic()
     assert job_store.broadcast_from_rank0(None) == "rank 0's answer" and time.monotonic() - start >= 1.5
