@@ -302,8 +302,9 @@ def finish_interrupted_save(path):
 
 
 def iteration_of(checkpoint):
-    """The iteration a checkpoint holds (None for anything else)."""
-    return checkpoint.get("iteration") if isinstance(checkpoint, dict) else None
+    """The iteration a checkpoint holds (None for anything else, or for a value that is not a whole number)."""
+    iteration = checkpoint.get("iteration") if isinstance(checkpoint, dict) else None
+    return iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
 
 
 STOPS = "every rank must resume from the same checkpoint, so the job stops"
