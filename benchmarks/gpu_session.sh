@@ -38,7 +38,7 @@ shift $(($# > 0 ? 1 : 0))
 py=${PYTHON:-python3}
 if ! "$py" -c "import torch, h5py, yaml" 2>/dev/null; then
     echo "error: '$py' cannot import torch, h5py and yaml (it is not the project's Python); run with the project's" \
-         "venv: PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh $dir $*" >&2
+         "venv: PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh $dir${*:+ $*}" >&2
     exit 2
 fi
 keep_logging() {  # tee that outlives a Ctrl-C, so that the session's last lines still reach the log and the screen

@@ -154,7 +154,7 @@ def has_checkpoint(path):
     at either name stops the run before training, in one line: taken for "no checkpoint", the run would train from
     the beginning and move it aside at its first save, and its last save would fail."""
     for name in (path, previous_path(path)):
-        if os.path.lexists(name) and not os.path.isfile(name):
+        if not present(name) and os.path.lexists(name):  # present: one line where the file system cannot say
             kind = "a directory" if os.path.isdir(name) else "not a file"
             raise UserError(f"'{name}' is {kind}, not a checkpoint file; move it away, then start again (nothing was "
                             "started)")

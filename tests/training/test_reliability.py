@@ -24,7 +24,7 @@ import lifecycle.checkpoint
 import lifecycle.run
 import loop.flops
 import train
-from lifecycle.checkpoint import DamagedCheckpoint, load_checkpoint
+from lifecycle.checkpoint import DamagedCheckpoint, load_checkpoint, previous_path
 from sample_data import write_era5
 from tests.conftest import REPO_ROOT, free_port, run_command, run_ranks, scalar_points
 from utils.errors import UserError
@@ -97,7 +97,7 @@ def test_second_run_in_the_same_directory_is_refused_until_the_first_ends(small_
         if child:
             os.kill(int(child), signal.SIGKILL)
     train.main(tiny(small_era5, tmp_path, "--num_iters", "4"))  # the lock was released at the end of the last run
-    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=False)["iteration"] == 4
+    assert torch.load(os.path.join(run_dir, "checkpoints", "ckpt.pt"), weights_only=True)["iteration"] == 4
 
 
 def test_kill_during_validation_loses_no_tensorboard_points(small_era5, tmp_path, monkeypatch):
@@ -408,18 +408,18 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(small_era5, t
     scratch). A checkpoint that loads but was not written by train.py keeps its own message."""
     flags = ("--num_iters", "12", "--checkpoint_interval", "4")
     train.main(tiny(small_era5, tmp_path / "whole", *flags))
-    whole = torch.load(os.path.join(run_dir_of(tmp_path / "whole"), "checkpoints", "ckpt.pt"), weights_only=False)
+    whole = torch.load(os.path.join(run_dir_of(tmp_path / "whole"), "checkpoints", "ckpt.pt"), weights_only=True)
     train.main(tiny(small_era5, tmp_path, "--num_iters", "12", "--checkpoint_interval", "4", "--stop_at_iter", "8"))
     folder = os.path.join(run_dir_of(tmp_path), "checkpoints")
     newest, previous = os.path.join(folder, "ckpt.pt"), os.path.join(folder, "ckpt_previous.pt")
-    assert torch.load(previous, weights_only=False)["iteration"] == 4
+    assert torch.load(previous, weights_only=True)["iteration"] == 4
     with open(newest, "r+b") as f:  # a write cut short
         f.truncate(os.path.getsize(newest) // 2)
     capsys.readouterr()
     train.main(tiny(small_era5, tmp_path, *flags))
     assert re.search(r"checkpoint '.*ckpt\.pt' cannot be read \(.*\): it is damaged, incomplete .*; resuming "
                      r"from the previous checkpoint '.*ckpt_previous\.pt' \(iteration 4\)", capsys.readouterr().err)
-    resumed = torch.load(newest, weights_only=False)
+    resumed = torch.load(newest, weights_only=True)
     assert resumed["iteration"] == 12
     for name, tensor in whole["model"].items():
         assert torch.allclose(resumed["model"][name], tensor, rtol=1e-5, atol=1e-7), name
@@ -448,7 +448,7 @@ def test_after_falling_back_the_next_save_keeps_the_good_checkpoint_as_the_previ
     capsys.readouterr()
     train.main(tiny(small_era5, tmp_path, "--num_iters", "12", "--checkpoint_interval", "4", "--stop_at_iter", "6"))
     err = capsys.readouterr().err
-    assert torch.load(newest, weights_only=False)["iteration"] == 6
+    assert torch.load(newest, weights_only=True)["iteration"] == 6
     if moved_aside:
         assert re.search(r"resuming from the previous checkpoint '.*ckpt_previous\.pt' \(iteration 4\); the damaged "
                          r"file is kept as '.*ckpt\.pt\.damaged'", err), err
@@ -476,7 +476,8 @@ def test_a_checkpoint_the_file_system_cannot_look_up_stops_the_run_instead_of_st
         return real_stat(path, *args, **kwargs)
 
     if not looked_up:
-        monkeypatch.setattr(lifecycle.run, "present", os.path.isfile)
+        monkeypatch.setattr(lifecycle.run, "has_checkpoint",
+                            lambda path: os.path.isfile(path) or os.path.isfile(previous_path(path)))
     monkeypatch.setattr(os, "stat", failing_stat)
     capsys.readouterr()
     if looked_up:
@@ -486,7 +487,7 @@ def test_a_checkpoint_the_file_system_cannot_look_up_stops_the_run_instead_of_st
     else:
         train.main(tiny(small_era5, tmp_path, *flags, "--stop_at_iter", "4"))
     monkeypatch.setattr(os, "stat", real_stat)
-    assert torch.load(newest, weights_only=False)["iteration"] == (8 if looked_up else 4)
+    assert torch.load(newest, weights_only=True)["iteration"] == (8 if looked_up else 4)
 
 
 def test_a_torch_file_not_written_by_train_py_is_named_as_such(small_era5, tmp_path, capsys):
@@ -596,9 +597,9 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
     launcher, output, checkpoint = killed_under_torchrun(argv, tmp_path)
     assert launcher.returncode == 0, output[-3000:]
     assert "Resumed from" in output  # the restart really resumed (the comparison below could fail otherwise)
-    final = torch.load(checkpoint, weights_only=False)
+    final = torch.load(checkpoint, weights_only=True)
     reference = torch.load(os.path.join(str(tmp_path / "whole"), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt"),
-                           weights_only=False)
+                           weights_only=True)
     assert final["iteration"] == reference["iteration"] == 160
     for name, weight in reference["model"].items():
         torch.testing.assert_close(final["model"][name], weight, atol=1e-6, rtol=0, msg=name)
