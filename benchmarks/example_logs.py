@@ -1,6 +1,6 @@
 """Example logs: real runs of this project on its sample data, small enough to commit (`make example-logs`).
 
-    python -m benchmarks.example_logs [--out example_logs] [--runs vit,vit-dp2,vit-dp4,unet,resnet]
+    python -m benchmarks.example_logs [--out example_logs] [--runs vit,vit-dp2,vit-dp4,wfm-tiny,unet,resnet]
 
 Each run is train.py on the CPU (the demo configs are CPU-sized), and lands where train.py puts it,
 <out>/<stage>/<config>/<N>GPU/00/, with its out.log and TensorBoard events (logs/events.out.tfevents.*);
@@ -10,11 +10,14 @@ the checkpoint and the run lock are removed. The runs:
   vit-dp2  <out>/vit/demo/2GPU/00     the same data-parallel over 2 gloo ranks (torchrun), local batch 8
                                       (global 16), 128 iterations: the same 8 epochs
   vit-dp4  <out>/vit/demo/4GPU/00     4 ranks, global batch 32, 64 iterations (8 epochs)
+  wfm-tiny <out>/vit/wfm_tiny/1GPU/00 `wfm_tiny`, the 0.25-degree family's CPU model, on 25 x 48 sample data read
+                                      as 24 x 48 (as 721 x 1440 is read as 720 x 1440): batch 8, 256 iterations
   unet     <out>/unet/demo/1GPU/00    3D UNet `demo` config (4 epochs)
   resnet   <out>/resnet/demo/1GPU/00  ResNet18 `demo` config on CIFAR-100 sample data (3 epochs)
 
 The data-parallel sweep keeps the local batch and the number of epochs, so every run sees the same samples;
-the learning rate is the config's (no scaling with the batch). Missing sample data are generated first. A run
+the learning rate is the config's (no scaling with the batch). Missing sample data are generated first. An ERA5
+run's summary gives persistence's validation loss beside the model's, on the same data and crop. A run
 is written afresh (its old directory is removed). <out>/runs.json records the machine, date, commit, command
 and wall time of each run; <out>/README.md says the same for readers. Copy a stage to TensorBoard's log
 directory to compare with your own runs: `cp -r example_logs/vit $SCRATCH/dl-at-scale-training/logs`.
@@ -34,22 +37,28 @@ from utils.errors import ArgumentParser, UserError, error_line
 
 VIT_EPOCH_ITERS = 256  # the ViT demo config's num_iters at batch 8: 8 epochs of the default sample data
 
-# name -> (stage folder, yaml, data kind, ranks, extra flags, what it is)
+# name -> (stage folder, yaml, config, data kind, ranks, extra flags, what it is)
 RUNS = {
-    "vit": ("vit", "config/ViT.yaml", "era5", 1, ["--local_batch_size", "8", "--num_iters", "256"],
+    "vit": ("vit", "config/ViT.yaml", "demo", "era5", 1, ["--local_batch_size", "8", "--num_iters", "256"],
             "ViT demo, 1 process, batch 8"),
-    "vit-dp2": ("vit", "config/ViT.yaml", "era5", 2, ["--local_batch_size", "8", "--num_iters", "128"],
+    "vit-dp2": ("vit", "config/ViT.yaml", "demo", "era5", 2, ["--local_batch_size", "8", "--num_iters", "128"],
                 "ViT demo, 2 ranks (gloo), local batch 8, global 16"),
-    "vit-dp4": ("vit", "config/ViT.yaml", "era5", 4, ["--local_batch_size", "8", "--num_iters", "64"],
+    "vit-dp4": ("vit", "config/ViT.yaml", "demo", "era5", 4, ["--local_batch_size", "8", "--num_iters", "64"],
                 "ViT demo, 4 ranks (gloo), local batch 8, global 32"),
-    "unet": ("unet", "config/UNet.yaml", "cosmo", 1, [], "3D UNet demo, 1 process"),
-    "resnet": ("resnet", "config/ResNet50.yaml", "cifar100", 1, [], "ResNet18 demo (CIFAR-100 sample data), 1 process"),
+    "wfm-tiny": ("vit", "config/ViT.yaml", "wfm_tiny", "era5_wfm_tiny", 1, [],
+                 "ViT wfm_tiny (the 0.25-degree configs' CPU model: 24 x 48 at patch 2, 288 tokens), 1 process, "
+                 "batch 8"),
+    "unet": ("unet", "config/UNet.yaml", "demo", "cosmo", 1, [], "3D UNet demo, 1 process"),
+    "resnet": ("resnet", "config/ResNet50.yaml", "demo", "cifar100", 1, [],
+               "ResNet18 demo (CIFAR-100 sample data), 1 process"),
 }
-# data kind -> (a file that exists once the data are there, relative to the data dir; generator subcommand)
+# data kind -> (a file that exists once the data are there, relative to the data dir; generator arguments)
 DATA = {
-    "era5": ("stats/global_stds.npy", "era5"),
-    "cosmo": ("downsamp_1024crop_valid.h5", "cosmo"),
-    "cifar100": ("cifar-100-python/meta", "cifar100"),
+    "era5": ("stats/global_stds.npy", ["era5"]),
+    # wfm_tiny's grid: 7.5 degrees with both poles (25 rows, 48 columns), as ERA5's 0.25 degrees is 721 x 1440
+    "era5_wfm_tiny": ("stats/global_stds.npy", ["era5", "--height", "25", "--width", "48"]),
+    "cosmo": ("downsamp_1024crop_valid.h5", ["cosmo"]),
+    "cifar100": ("cifar-100-python/meta", ["cifar100"]),
 }
 LAST_VAL_LOSS = re.compile(r"Avg val loss=(\S+)")
 LAST_ACC = re.compile(r"valid acc1=(\S+), valid acc5=(\S+)")
@@ -74,11 +83,11 @@ def git_commit():
 
 def ensure_data(kind, data_dir):
     """Generate the sample data set `kind` into `data_dir` unless it is there already (like `make demo`)."""
-    marker, subcommand = DATA[kind]
+    marker, generator = DATA[kind]
     if os.path.exists(os.path.join(data_dir, marker)):
         return
     print(f"[example_logs] generating {kind} sample data in {data_dir} ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "sample_data", subcommand, "--out", data_dir],
+    result = subprocess.run([sys.executable, "-m", "sample_data", *generator, "--out", data_dir],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"generating {kind} sample data in '{data_dir}' failed: "
@@ -87,35 +96,48 @@ def ensure_data(kind, data_dir):
 
 def train_args(name, data_dir, expdir):
     """train.py and its flags for run `name` (the launcher comes in front)."""
-    _, yaml, _, _, flags, _ = RUNS[name]
-    return ["train.py", "--yaml_config", yaml, "--config", "demo", "--data_dir", data_dir, "--expdir", expdir,
+    _, yaml, config, _, _, flags, _ = RUNS[name]
+    return ["train.py", "--yaml_config", yaml, "--config", config, "--data_dir", data_dir, "--expdir", expdir,
             "--checkpoint_interval", "0", *flags]
 
 
 def shown_command(name, data_dir, expdir):
     """The command of run `name` as a reader would type it, from the repository root."""
-    ranks = RUNS[name][3]
+    ranks = RUNS[name][4]
     launcher = [f"torchrun --nproc_per_node {ranks}"] if ranks > 1 else ["python"]
     relative = [os.path.relpath(path, REPO_ROOT) for path in (data_dir, expdir)]
     return " ".join(launcher + train_args(name, *relative))
 
 
-def summary_of(out_log):
-    """The last validation line(s) of a run's out.log, in words."""
+def summary_of(out_log, persistence=None):
+    """The last validation line(s) of a run's out.log, in words (with persistence's loss on the same data, if given)."""
     with open(out_log) as f:
         text = f.read()
     losses, accuracies = LAST_VAL_LOSS.findall(text), LAST_ACC.findall(text)
     summary = f"final validation loss {float(losses[-1]):.4f}" if losses else "no validation line"
+    if losses and persistence is not None:
+        summary += f" (persistence {persistence:.4f})"
     if accuracies:
         summary += f", top-1 {float(accuracies[-1][0]):.1%}, top-5 {float(accuracies[-1][1]):.1%}"
     return summary
 
 
+def persistence_of(name, data_dir):
+    """Persistence's validation loss (x(t+dt) predicted by x(t)) on an ERA5 run's data, cropped to its config's
+    img_size as the loader crops; None for the other stages."""
+    _, yaml, config, kind, *_ = RUNS[name]
+    if not kind.startswith("era5"):
+        return None
+    from sample_data.era5 import persistence_error
+    from utils.YParams import YParams
+    return persistence_error(data_dir, split="valid", img_size=YParams(os.path.join(REPO_ROOT, yaml), config).img_size)
+
+
 def run_one(name, out, data_dirs, code):
-    """Train run `name` afresh into <out>/<stage>/demo/<N>GPU/00; keep out.log and the events only."""
-    stage, _, kind, ranks, _, what = RUNS[name]
+    """Train run `name` afresh into <out>/<stage>/<config>/<N>GPU/00; keep out.log and the events only."""
+    stage, _, config, kind, ranks, _, what = RUNS[name]
     expdir = os.path.join(out, stage)
-    run_dir = os.path.join(expdir, "demo", f"{ranks}GPU", "00")
+    run_dir = os.path.join(expdir, config, f"{ranks}GPU", "00")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: nothing to resume, no events appended
     launcher = [sys.executable]
     if ranks > 1:
@@ -137,7 +159,7 @@ def run_one(name, out, data_dirs, code):
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # too big to commit
     if os.path.exists(os.path.join(run_dir, "run.lock")):
         os.remove(os.path.join(run_dir, "run.lock"))
-    summary = summary_of(os.path.join(run_dir, "out.log"))
+    summary = summary_of(os.path.join(run_dir, "out.log"), persistence_of(name, data_dirs[kind]))
     print(f"[example_logs]   {seconds:.0f} s, {summary}", flush=True)
     return {"name": name, "what": what, "run_dir": os.path.relpath(run_dir, out), "ranks": ranks,
             "command": shown_command(name, data_dirs[kind], expdir), "wall_seconds": round(seconds, 1),
@@ -230,6 +252,12 @@ def readme(runs, gpu_runs=()):
         "batch size. Ranks share the machine's cores, so the wall times show no speed-up beyond the core count;",
         "the machine may also have been busy with other work, so treat the times as rough.",
         "",
+        "`vit/wfm_tiny/1GPU/00` is `wfm_tiny`, the CPU model of the 0.25-degree configs (`wfm_*`, docs/flags.md), on",
+        "25 x 48 sample data (7.5 degrees, both poles) that the loader reads as 24 x 48, as it reads ERA5's 721 x 1440",
+        "as 720 x 1440 (`python -m sample_data era5 --out data/era5_wfm_tiny --height 25 --width 48`). Its summary",
+        "gives persistence's loss on the same validation year and crop, which the model must beat",
+        "(tests/datasets/test_wfm_tiny_log.py).",
+        "",
         *gpu_section(list(gpu_runs)),
         "## The multi-GPU session on CPU ranks",
         "",
@@ -260,6 +288,8 @@ def main(argv=None):
     parser.add_argument("--out", default="example_logs", help="folder of the example logs (default example_logs)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated runs (default all: {','.join(RUNS)})")
     parser.add_argument("--era5_dir", default="data/era5", help="ERA5 sample data (generated if missing)")
+    parser.add_argument("--wfm_tiny_dir", default="data/era5_wfm_tiny",
+                        help="wfm_tiny's ERA5 sample data, 25 x 48 (generated if missing)")
     parser.add_argument("--cosmo_dir", default="data/cosmo", help="cosmology sample data (generated if missing)")
     parser.add_argument("--cifar_dir", default="data/cifar100", help="CIFAR-100 sample data (generated if missing)")
     parser.add_argument("--readme_only", action="store_true", help="rewrite README.md from runs.json; run nothing")
@@ -269,8 +299,8 @@ def main(argv=None):
     if unknown:
         raise UserError(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     out = os.path.abspath(args.out)
-    data_dirs = {"era5": os.path.abspath(args.era5_dir), "cosmo": os.path.abspath(args.cosmo_dir),
-                 "cifar100": os.path.abspath(args.cifar_dir)}
+    data_dirs = {"era5": os.path.abspath(args.era5_dir), "era5_wfm_tiny": os.path.abspath(args.wfm_tiny_dir),
+                 "cosmo": os.path.abspath(args.cosmo_dir), "cifar100": os.path.abspath(args.cifar_dir)}
     manifest_path = os.path.join(out, "runs.json")
     previous = read_manifest(manifest_path)  # the records of runs not made this time are kept
     if args.readme_only:
@@ -280,7 +310,7 @@ def main(argv=None):
                                                            read_gpu_manifest(out)))
         print(f"[example_logs] wrote {os.path.relpath(out)}/README.md from runs.json")
         return
-    for kind in dict.fromkeys(RUNS[name][2] for name in names):
+    for kind in dict.fromkeys(RUNS[name][3] for name in names):
         ensure_data(kind, data_dirs[kind])
     commit, dirty = git_commit()
     start = time.time()

@@ -1,8 +1,11 @@
 """Synthetic ERA5 data: HDF5 year files (train/valid/test) + stats, in the layout the ViT tutorial reads.
 
 `python -m sample_data era5 --out DIR` writes the files; `persistence_error` is the baseline a trained
-model has to beat.
+model has to beat. Any grid works, ERA5's full 0.25-degree one (721 x 1440, both poles) included: the files are
+written a few time steps at a time, so memory stays at about 1 GB there; a data set of a GB or more is announced
+first (its size and the free space of its file system) and reported as it goes.
 """
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -54,6 +57,14 @@ DIURNAL_AMPLITUDE_K = 6.0
 N_LATENT_FIELDS = 5
 # Keep one generated time chunk (float64, all channels) at about 32 MB.
 _CHUNK_VALUES = 4_000_000
+# ERA5's full 0.25-degree grid (90 to -90 degrees in 721 rows, 1440 columns): one time step is 83 MB of float32,
+# a real year (REAL_YEAR_STEPS) about 121 GB, so without --steps_per_year it gets FULL_GRID_STEPS steps a year.
+FULL_GRID = (721, 1440)
+FULL_GRID_STEPS = 4
+DEFAULT_STEPS = 128
+REAL_YEAR_STEPS = 1460  # 6-hourly steps in a 365-day year
+# A data set this large (bytes) or larger is announced before writing and reported step batch by step batch.
+_ANNOUNCE_BYTES = 1e9
 
 
 @dataclass
@@ -160,6 +171,34 @@ def _check_era5_args(height, width, steps_per_year, train_years, valid_years,
         raise SampleDataError(f"--noise must be >= 0, got {noise}")
 
 
+def default_steps_per_year(height, width):
+    """Time steps a year when none are asked for: FULL_GRID_STEPS on the full 0.25-degree grid, else DEFAULT_STEPS."""
+    return FULL_GRID_STEPS if (height, width) == FULL_GRID else DEFAULT_STEPS
+
+
+def era5_bytes(height, width, steps_per_year, years):
+    """Bytes of the data set on disk: `years` files of (steps, 20, height, width) float32 and the stats (HDF5's
+    and .npy's headers, a few KB, left out)."""
+    return (years * steps_per_year + 1) * _step_bytes(height, width)  # time_means.npy is one step's worth
+
+
+def _step_bytes(height, width):
+    return len(ERA5_CHANNELS) * height * width * 4
+
+
+def _existing_folder(path):
+    """`path`, or its nearest ancestor that exists (where the data set's file system can be asked about)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _reclaimed_bytes(out_dir):
+    """Bytes of the data set an --overwrite is about to remove from out_dir."""
+    return sum(f.stat().st_size for sub in (*ERA5_SPLITS, "stats") for f in (out_dir / sub).rglob("*") if f.is_file())
+
+
 def _holds_era5(out_dir):
     return all((out_dir / split).is_dir() for split in ERA5_SPLITS) and all(
         (out_dir / "stats" / name).is_file() for name in ERA5_STATS
@@ -172,26 +211,54 @@ def _save_npy(path, array):
         np.save(f, array)
 
 
-def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
+def write_era5(out_dir, height=32, width=64, steps_per_year=None, train_years=2,
                valid_years=1, test_years=1, first_year=2000, seed=0, noise=0.01,
                overwrite=False, verbose=True):
     """Write a synthetic ERA5 data set (train/valid/test year files + stats) to out_dir.
 
     Each `<split>/<year>.h5` holds one float32 dataset `fields` of shape
-    (steps_per_year, 20, height, width), channels in ERA5_CHANNELS order.
-    `stats/` holds global_means/global_stds (1, 20, 1, 1) and time_means
-    (1, 20, H, W), computed over the training years. Raises SampleDataError on
-    bad sizes, or if out_dir already holds a data set and overwrite is False.
+    (steps_per_year, 20, height, width), channels in ERA5_CHANNELS order;
+    steps_per_year defaults to 128, and to 4 on the full 0.25-degree grid
+    (721 x 1440, 83 MB a step). `stats/` holds global_means/global_stds
+    (1, 20, 1, 1) and time_means (1, 20, H, W), computed over the training years.
+    Raises SampleDataError on bad sizes, if out_dir already holds a data set and
+    overwrite is False, or if its file system has too little free space.
     Returns out_dir as a Path.
     """
+    defaulted = steps_per_year is None
+    if defaulted:
+        steps_per_year = default_steps_per_year(height, width)
     _check_era5_args(height, width, steps_per_year, train_years, valid_years,
                      test_years, first_year, seed, noise)
     out_dir = Path(out_dir)
-    if _holds_era5(out_dir):
-        if not overwrite:
-            raise SampleDataError(
-                f"{out_dir} already holds ERA5 sample data; pass --overwrite to replace it"
-            )
+    n_years = train_years + valid_years + test_years
+    planned = era5_bytes(height, width, steps_per_year, n_years)
+    holds = _holds_era5(out_dir)
+    if holds and not overwrite:
+        raise SampleDataError(
+            f"{out_dir} already holds ERA5 sample data; pass --overwrite to replace it"
+        )
+    folder = _existing_folder(out_dir)
+    free = shutil.disk_usage(folder).free
+    reclaimed = _reclaimed_bytes(out_dir) if holds else 0
+    if planned > free + reclaimed:
+        replaced = f" (and {reclaimed / 1e9:.2f} GB that --overwrite replaces)" if reclaimed else ""
+        raise SampleDataError(
+            f"{n_years} year files of {steps_per_year} steps at {height} x {width} need {planned / 1e9:.2f} GB, but "
+            f"{folder}'s file system has {free / 1e9:.2f} GB free{replaced}; free space, choose another --out, or "
+            "write fewer --steps_per_year or years"
+        )
+    announce = verbose and planned >= _ANNOUNCE_BYTES
+    step_mb = _step_bytes(height, width) / 1e6
+    if verbose and defaulted and (height, width) == FULL_GRID:
+        print(f"[era5] {height} x {width} is ERA5's full 0.25-degree grid: {steps_per_year} time steps a year by "
+              f"default (a real year is {REAL_YEAR_STEPS} steps, about "
+              f"{era5_bytes(height, width, REAL_YEAR_STEPS, 1) / 1e9:.0f} GB; set --steps_per_year N)", flush=True)
+    if announce:
+        print(f"[era5] writing {n_years} year files of {steps_per_year} steps x {len(ERA5_CHANNELS)} x {height} x "
+              f"{width} float32 ({step_mb:.1f} MB a step) and the stats: {planned / 1e9:.2f} GB in {out_dir}, "
+              f"whose file system has {free / 1e9:.1f} GB free", flush=True)
+    if holds:
         for sub in (*ERA5_SPLITS, "stats"):  # drop old year files that would not be rewritten
             shutil.rmtree(out_dir / sub, ignore_errors=True)
 
@@ -228,6 +295,7 @@ def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
                 "fields", shape=(steps_per_year, n_channels, height, width),
                 dtype="float32", track_times=False,
             )
+            reported = 0  # tenths of the file reported so far
             for first_step in range(0, steps_per_year, chunk_steps):
                 steps = np.arange(first_step, min(first_step + chunk_steps, steps_per_year))
                 chunk = _era5_chunk(waves, mix, phases, steps.astype(np.float64),
@@ -248,6 +316,11 @@ def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
                     channel_sum_sq += (centred ** 2).sum(axis=(0, 2, 3))
                     pixel_sum += values.sum(axis=0)
                     train_steps += steps.size
+                done = steps[-1] + 1
+                if announce and 10 * done // steps_per_year > reported:
+                    reported = 10 * done // steps_per_year
+                    print(f"[era5]   {split}/{year}.h5: {done}/{steps_per_year} steps "
+                          f"({done * step_mb:,.0f} MB), {time.perf_counter() - start_time:.1f} s", flush=True)
         if verbose:
             size_mb = path.stat().st_size / 1e6
             print(f"[era5] {split}/{year}.h5 ({file_index + 1}/{years.size}) {size_mb:.1f} MB", flush=True)
@@ -271,14 +344,17 @@ def write_era5(out_dir, height=32, width=64, steps_per_year=128, train_years=2,
     return out_dir
 
 
-def persistence_error(data_dir, split="valid", dt=1):
+def persistence_error(data_dir, split="valid", dt=1, img_size=None):
     """Mean relative L2 error of persistence, x(t+dt) predicted by x(t).
 
     Works in normalised units (x - global_mean) / global_std from data_dir/stats;
     per pair the error is ||x(t+dt) - x(t)|| / ||x(t+dt)|| over all channels and
     pixels, averaged over every (t, t+dt) pair inside each year file of `split`.
+    With img_size (rows, columns), only the first rows and columns count, as the
+    loader reads them (a config's img_size: 720 x 1440 of a 721 x 1440 file).
     A trained model should beat this number.
     """
+    rows, columns = (None, None) if img_size is None else img_size
     data_dir = Path(data_dir)
     means = np.load(data_dir / "stats" / "global_means.npy").astype(np.float64)
     stds = np.load(data_dir / "stats" / "global_stds.npy").astype(np.float64)
@@ -296,7 +372,7 @@ def persistence_error(data_dir, split="valid", dt=1):
             # Read overlapping blocks so memory stays bounded for full-size years.
             for first in range(0, n_steps - dt, chunk_steps):
                 last = min(first + chunk_steps, n_steps - dt)  # exclusive, pairs start here
-                block = (fields[first:last + dt].astype(np.float64) - means) / stds
+                block = (fields[first:last + dt, :, :rows, :columns].astype(np.float64) - means) / stds
                 now, later = block[:-dt], block[dt:]
                 diff_norm = np.sqrt(((later - now) ** 2).sum(axis=(1, 2, 3)))
                 target_norm = np.sqrt((later ** 2).sum(axis=(1, 2, 3)))
@@ -320,12 +396,18 @@ def add_era5_parser(subparsers):
     parser = subparsers.add_parser(
         "era5", help="synthetic ERA5 year files (train/valid/test/*.h5) + stats",
         description="Write ERA5-like HDF5 year files with learnable, weather-like dynamics. "
-                    "Cluster size: --height 360 --width 720 --steps_per_year 1460.",
+                    "Cluster size: --height 360 --width 720 --steps_per_year 1460 (30 GB a year). "
+                    "ERA5's full 0.25-degree grid: --height 721 --width 1440 (83 MB a step; a real year of "
+                    "1460 steps of 20 x 721 x 1440 float32 is about 121 GB), 4 steps a year unless "
+                    "--steps_per_year says otherwise. A data set of 1 GB or more is announced (its size and "
+                    "the free space) and reported as it is written; one that does not fit is refused.",
     )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--height", type=int, default=32, help="latitude rows, +90..-90 (default 32)")
     parser.add_argument("--width", type=int, default=64, help="longitude columns (default 64)")
-    parser.add_argument("--steps_per_year", type=int, default=128, help="6-hourly steps per file (default 128)")
+    parser.add_argument("--steps_per_year", type=int, default=None,
+                        help="6-hourly steps per file (default 128; 4 at 721 x 1440, where a real year's 1460 "
+                             "steps are about 121 GB)")
     parser.add_argument("--train_years", type=int, default=2)
     parser.add_argument("--valid_years", type=int, default=1)
     parser.add_argument("--test_years", type=int, default=1)
