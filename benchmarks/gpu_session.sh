@@ -101,7 +101,9 @@ interrupted() {  # SIGINT or SIGTERM: stop the running part's processes, mark it
     [[ -n $era5 ]] && kill -TERM "$era5" 2>/dev/null
     ended+=("{\"part\": \"${running:-start-up}\", \"status\": \"interrupted\"}")
     write_report interrupted
-    echo "error: interrupted by SIG$1: stopped ${running:+the part \"$running\" and every process it started}${running:-the start-up}; $dir/session.json marks it \"interrupted\"" >&2
+    local what="the start-up"
+    [[ -n $running ]] && what="the part \"$running\" and every process it started"
+    echo "error: interrupted by SIG$1: stopped $what; $dir/session.json marks it \"interrupted\"" >&2
     exit 130
 }
 
