@@ -3,7 +3,9 @@
 Tensor parallelism (tp) splits weights: a column-parallel matmul keeps a slice of the output features, the
 row-parallel matmul after it a slice of the input features, and one all-reduce per pair restores the output.
 Attention heads and the MLP's hidden width are split this way. Context parallelism (cp) splits the sequence:
-each rank keeps a chunk of the tokens, and attention gathers the keys and values of the whole sequence.
+each rank keeps a chunk of the tokens, and attention reaches the keys and values of the whole sequence by
+all-gathering them (the default), passing them round a ring, or swapping sequence shards for head shards with
+all-to-all (`cp_method`; the last two in context_parallel.py).
 Weights are then shared over cp ranks whose gradients each cover only their tokens: helpers.mark_shared names the
 groups over which those gradients are summed (`mark_for_reduction`, see data_parallel.reduce_marked_gradients)
 and the groups over which copies must stay equal (`is_shared_mp`, helpers.init_params_for_shared_weights).
@@ -20,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distributed.context_parallel import all_to_all_attention, ring_attention
 from distributed.helpers import axis_of, mark_shared
 from distributed.mappings import (
     all_gather_from_parallel_region,
@@ -27,7 +30,7 @@ from distributed.mappings import (
     reduce_from_parallel_region,
     reduce_scatter_to_parallel_region,
 )
-from utils.layout import Layout
+from utils.layout import DEFAULT_CP_METHOD, Layout
 
 
 def cast_once_for_autocast(x):
@@ -119,16 +122,19 @@ class DistributedMLP(nn.Module):
 
 
 class DistributedAttention(nn.Module):
-    """Multi-head attention with the heads split over tp and the sequence over cp: q, k, v column-parallel,
-    keys and values of the whole sequence gathered over cp, proj row-parallel."""
+    """Multi-head attention with the heads split over tp and the sequence over cp: q, k, v column-parallel, proj
+    row-parallel; the other cp ranks' keys and values reached as `cp_method` says: "allgather" (gathered over cp),
+    "ring" or "alltoall" (context_parallel.py)."""
 
     def __init__(self, dim, tp="tp", cp="cp", cp_shapes=None, num_heads=8, qkv_bias=False,
-                 attn_drop=0.0, proj_drop=0.0, sequence_shapes=None):
+                 attn_drop=0.0, proj_drop=0.0, sequence_shapes=None, cp_method=DEFAULT_CP_METHOD):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         tp, self.cp = axis_of(tp), axis_of(cp)
-        Layout(tp=tp.size).check(num_heads=num_heads)  # each tp rank holds whole heads (the layout's rule)
+        # each tp rank holds whole heads, and all-to-all splits them again over cp (the layout's rules)
+        Layout(tp=tp.size, cp=self.cp.size, cp_method=cp_method).check(num_heads=num_heads)
+        self.cp_method = cp_method
         self.num_heads_local = num_heads // tp.size
         self.head_dim = dim // num_heads
         self.cp_shapes = cp_shapes
@@ -151,10 +157,19 @@ class DistributedAttention(nn.Module):
             return t.view(B, t.shape[1], self.num_heads_local, self.head_dim).transpose(1, 2)
 
         q, k, v = (heads(layer(x, entered=True)) for layer in (self.q, self.k, self.v))
+        attn = self.attend(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, self.num_heads_local * self.head_dim)))
+
+    def attend(self, q, k, v, dropout_p):
+        """Attention of this rank's queries (B, local heads, tokens, head_dim) over the whole sequence, by the cp
+        method (on a cp group of one, each is scaled_dot_product_attention). Dropout is refused with cp > 1."""
+        if self.cp_method == "ring":
+            return ring_attention(q, k, v, self.cp_shapes, self.cp)
+        if self.cp_method == "alltoall":
+            return all_to_all_attention(q, k, v, self.cp_shapes, self.cp, dropout_p=dropout_p)
         k = all_gather_from_parallel_region(k, 2, self.cp_shapes, self.cp)  # the whole sequence
         v = all_gather_from_parallel_region(v, 2, self.cp_shapes, self.cp)
-        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(attn.transpose(1, 2).reshape(B, N, self.num_heads_local * self.head_dim)))
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
 
 
 class DistributedLayerNorm(nn.Module):

@@ -1,7 +1,8 @@
 """The recipe: everything a layout asks of the serial ViT, applied by one function (parallelize), in one fixed order.
 
     1. tensor, sequence and context parallelism (split_tokens_and_weights): each block's attention, MLP and norms
-       become the layers of layers.py holding this rank's shard of the serial weights, and the model is handed its
+       become the layers of layers.py holding this rank's shard of the serial weights (the attention reaching the
+       other cp ranks' keys and values by the layout's cp_method: context_parallel.py), and the model is handed its
        cp and tp groups and split shapes; copies of shared weights are made equal over the model-parallel group;
     2. activation checkpointing (`--activation_checkpointing`, the layout's `checkpointing`): each transformer block
        keeps only its input for the backward pass and recomputes its forward there;
@@ -98,7 +99,7 @@ def split_tokens_and_weights(model, grid):
                 "attn": DistributedAttention(dim, tp=tp, cp=cp, cp_shapes=model.cp_shapes,
                                              num_heads=block.attn.num_heads, qkv_bias=True,
                                              attn_drop=block.attn.attn_drop, proj_drop=block.attn.proj_drop.p,
-                                             **sequence),
+                                             cp_method=grid.layout.cp_method, **sequence),
                 "norm2": DistributedLayerNorm(dim, eps=block.norm2.eps, tp=tp, cp=cp, sequence_parallel=split_tokens),
                 "mlp": DistributedMLP(dim, hidden, tp=tp, cp=cp, drop=block.mlp.drop.p, **sequence),
             }

@@ -6,7 +6,7 @@ import torch
 
 from lifecycle.workers import check_worker_count
 from utils.errors import ArgumentParser, UserError
-from utils.layout import Layout, dry_run_refusal
+from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, Layout, dry_run_refusal
 from utils.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -110,6 +110,11 @@ def model_parallel_parser(description):
     add("--tensor_parallel", type=int, default=1, help="ranks that split each layer's weights (tp)")
     add("--context_parallel", type=int, default=1, help="ranks that split the sequence (cp)")
     add("--parallel_order", type=str, default="tp-cp-dp", help="rank order, first name fastest")
+    add("--cp_method", type=str, default=DEFAULT_CP_METHOD, choices=CP_METHODS,
+        help="how attention meets the other cp ranks' keys and values (distributed/context_parallel.py): allgather "
+             "(each rank gathers the whole sequence's), ring (blocks passed round the cp ranks, each transfer beside "
+             "a block's compute) or alltoall (Ulysses: sequence shards swapped for head shards; cp must divide the "
+             "heads left after tp)")
     add("--sequence_parallel", action="store_true",
         help="split the tokens over tp between the blocks (needs --tensor_parallel > 1)")
     add("--activation_checkpointing", action="store_true",

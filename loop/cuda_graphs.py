@@ -34,6 +34,7 @@ import torch
 
 from task.optim import make_capturable
 from utils.errors import UserError
+from utils.layout import DEFAULT_CP_METHOD
 
 WARMUP_STEPS = 20  # eager steps before capture: the original's 20 (DDP needs at least 11, per PyTorch's notes)
 
@@ -73,6 +74,12 @@ def check_support(params, args, device, script):
         raise UserError("--activation_checkpointing is not supported in the captured step (its recomputation saves "
                         "and restores the random state around each block, which has not been tried under capture); "
                         f"use {instead}")
+    cp_method = getattr(args, "cp_method", DEFAULT_CP_METHOD)  # a flag of the model-parallel scripts only
+    if cp_method != DEFAULT_CP_METHOD:
+        moves = ("its sends and receives of key/value blocks round the ring" if cp_method == "ring" else
+                 "its all-to-alls of q, k, v and the attention's output")
+        raise UserError(f"--cp_method {cp_method} is not supported in the captured step ({moves} have not been "
+                        f"tried under capture); use --cp_method allgather, or {instead}")
     if getattr(args, "dry_run", None) is not None:  # a flag of the model-parallel scripts only
         raise UserError("--dry_run measures the eager step of one rank; run it with train_mp.py")
     if getattr(args, "fsdp", False):

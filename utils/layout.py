@@ -3,7 +3,8 @@
 A layout is how the job's ranks split the work: tp ranks split each layer's weights (tensor parallelism), cp ranks
 split each sample's tokens (context parallelism), and the dp = world / (tp x cp) groups of those each train on their
 own share of the batch (data parallelism). The order (first name fastest, utils/rank_generator.py) places the
-groups on the nodes. Three memory switches ride on it: sequence parallelism, activation checkpointing and FSDP.
+groups on the nodes. Three memory switches ride on it: sequence parallelism, activation checkpointing and FSDP; and
+how the cp ranks' attention meets the other ranks' keys and values (`cp_method`, distributed/context_parallel.py).
 
 Every rule a layout must obey is one function in RULES, here and nowhere else. A rule needs some facts about the
 run (the world size, the model's heads, the global batch, ...) and is checked wherever those facts are known:
@@ -17,6 +18,10 @@ from utils.errors import UserError
 from utils.rank_generator import RankGenerator
 
 DEFAULT_ORDER = "tp-cp-dp"
+# how attention reaches the keys and values of the other cp ranks (distributed/context_parallel.py): all-gather them
+# (the original's), pass them around a ring, or swap sequence shards for head shards with all-to-all (Ulysses)
+CP_METHODS = ("allgather", "ring", "alltoall")
+DEFAULT_CP_METHOD = CP_METHODS[0]
 # A dry run (planning/dry_run.py) builds every process group of its world in this one process (comm._build_groups:
 # about 0.1 ms and 0.3 KB a rank on a CPU core; 2^17 ranks take about 10 s, 10^8 ranks would take hours and over
 # 20 GB): 2^17 = 131072 ranks, above the largest GPU jobs run today (about 100,000 GPUs), is as many as it stands in
@@ -86,6 +91,7 @@ class Layout:
     sequence_parallel: bool = False
     checkpointing: bool = False
     fsdp: bool = False
+    cp_method: str = DEFAULT_CP_METHOD
 
     def __post_init__(self):
         self.check()  # the rules that need no fact
@@ -99,16 +105,19 @@ class Layout:
     @classmethod
     def from_flags(cls, args, world_size):
         """train_mp.py's layout: --tensor_parallel, --context_parallel, --parallel_order, --sequence_parallel,
-        --activation_checkpointing, --fsdp."""
+        --activation_checkpointing, --fsdp, --cp_method."""
         return cls.for_world(world_size, args.tensor_parallel, args.context_parallel, order=args.parallel_order,
                              sequence_parallel=args.sequence_parallel, checkpointing=args.activation_checkpointing,
-                             fsdp=getattr(args, "fsdp", False))
+                             fsdp=getattr(args, "fsdp", False),
+                             cp_method=getattr(args, "cp_method", DEFAULT_CP_METHOD))
 
     @classmethod
     def from_dict(cls, params, world_size):
-        """The original's comm.init(params): "tp", "cp" and "order" keys (a dict or the config; missing means 1)."""
+        """The original's comm.init(params): "tp", "cp" and "order" keys (a dict or the config; missing means 1), and
+        "cp_method" (missing: all-gather, the original's)."""
         return cls.for_world(world_size, params.get("tp", 1), params.get("cp", 1),
-                             order=params.get("order", DEFAULT_ORDER))
+                             order=params.get("order", DEFAULT_ORDER),
+                             cp_method=params.get("cp_method", DEFAULT_CP_METHOD))
 
     @property
     def world_size(self):
@@ -144,12 +153,16 @@ class Layout:
         flags = [f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}"]
         if self.order != DEFAULT_ORDER:
             flags.append(f"--parallel_order={self.order}")
+        if self.cp_method != DEFAULT_CP_METHOD:
+            flags.append(f"--cp_method={self.cp_method}")
         return flags + [flag for flag, on in (("--sequence_parallel", self.sequence_parallel),
                                               ("--activation_checkpointing", self.checkpointing),
                                               ("--fsdp", self.fsdp)) if on]
 
     def describe(self):
-        return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}, PP = 1"
+        """The grid in one phrase (logged at start); the cp method only where it is not the default all-gather."""
+        method = f" ({self.cp_method})" if self.cp_method != DEFAULT_CP_METHOD else ""
+        return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}{method}, PP = 1"
 
 
 def dry_run_refusal(world_size):
@@ -189,6 +202,14 @@ def sequence_parallel_needs_tp(layout):
     return None
 
 
+@rule()
+def cp_method_is_known(layout):
+    if layout.cp_method not in CP_METHODS:
+        return (f"--cp_method {layout.cp_method!r} is not a context-parallel method; choose one of "
+                f"{', '.join(CP_METHODS)}")
+    return None
+
+
 @rule("world_size")
 def grid_divides_world(layout, world_size):
     if world_size % layout.world_size:
@@ -204,6 +225,19 @@ def heads_split_over_tp(layout, num_heads):
     if num_heads % layout.tp:
         return (f"num_heads {num_heads} does not divide by tp = {layout.tp} (each tp rank holds whole heads); "
                 f"choose tp among the divisors of {num_heads}, or change num_heads")
+    return None
+
+
+@rule("num_heads")
+def heads_split_over_cp_for_alltoall(layout, num_heads):
+    if layout.cp_method != "alltoall" or layout.cp < 2 or num_heads % layout.tp:  # the last: the rule above's
+        return None
+    heads = num_heads // layout.tp
+    if heads % layout.cp:
+        divisors = [str(size) for size in range(2, heads + 1) if heads % size == 0]
+        choose = f"choose cp among {', '.join(divisors)}, or " if divisors else ""
+        return (f"--cp_method alltoall splits the heads over cp: num_heads / tp = {num_heads} / {layout.tp} = {heads} "
+                f"does not divide by cp = {layout.cp}; {choose}use --cp_method ring or allgather")
     return None
 
 
