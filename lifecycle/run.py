@@ -36,7 +36,7 @@ from lifecycle.workers import WorkerStart
 from resilience import host, peers, store
 from utils import comm
 from utils.errors import DISK_FULL, UserError, free_space, register_cleanup
-from utils.layout import Grid
+from utils.layout import Grid, Layout
 from utils.logging_utils import config_logger, log_to_file
 from utils.YParams import YParams
 
@@ -201,7 +201,9 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     peers.note_checkpoint(path, start_iter)
     logging.info(f"Resumed from {path} at iteration {start_iter}")
     written_at = checkpoint.get("layout")  # checkpoints hold the serial model: any layout resumes any other's
-    if isinstance(written_at, dict) and written_at != dataclasses.asdict(run.grid.layout):
+    # a record from before a field existed (cp_method) has that field's default
+    if isinstance(written_at, dict) and {**dataclasses.asdict(Layout()), **written_at} != dataclasses.asdict(
+            run.grid.layout):
         grid = ", ".join(f"{name.upper()} = {written_at.get(name, '?')}" for name in ("dp", "tp", "cp"))
         logging.info(f"The checkpoint was written at {grid}; resumed at {run.grid.describe()}")
     if start_iter >= run.params.num_iters:
