@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import as_spawned_rank, free_port
+from tests.parallel.test_distributed_layers import compare_layers
 from utils.errors import UserError
 
 pytestmark = pytest.mark.compat  # every test here also runs on torch 2.5 (gloo's send/recv and all_to_all_single there)
@@ -35,25 +36,10 @@ TWINS = {"ring without the rescale": ("ring", "RESCALE"), "ring with a block tak
          "all-to-all with the heads in the wrong order": ("alltoall", "HEADS_IN_ORDER")}
 
 
-def rel_error(value, reference, floor=0.0):
-    """||value - reference|| / max(||reference||, floor)."""
-    return ((value - reference).norm() / max(reference.norm().item(), floor)).item()
-
-
-def shard_of(full, param, name, tp, rank):
-    """The slice of a serial attention's gradient that the distributed parameter `name` holds (tp shards: q, k, v
-    column-parallel, proj row-parallel; proj's bias whole)."""
-    if tp == 1 or full.numel() == param.numel():
-        return full.reshape(param.shape)
-    if name.endswith("weight"):
-        return torch.chunk(full, tp, dim=1 if name.startswith("proj") else 0)[rank]
-    return torch.chunk(full, tp, dim=0)[rank].view(param.shape)
-
-
-def compare_attention(method, tp, cp, seq, record_ring=None):
+def compare_attention(method, tp, cp, seq):
     """Relative errors of DistributedAttention(cp_method=method) against the serial Attention on this grid: output,
     input gradient, each weight gradient (after its sums over the marked groups)."""
-    from distributed.helpers import compute_split_shapes, gather, reduce, split
+    from distributed.helpers import compute_split_shapes
     from distributed.layers import DistributedAttention
     from networks.vit import Attention
     from utils import comm
@@ -68,25 +54,7 @@ def compare_attention(method, tp, cp, seq, record_ring=None):
             p.add_(0.1 * torch.randn_like(p))
     distributed = DistributedAttention(embed, num_heads=heads, qkv_bias=True, cp_shapes=cp_shapes, cp_method=method)
     distributed.load_serial(serial)
-    x_serial = x.clone().requires_grad_()
-    out = serial(x_serial)
-    out.backward(grad_out)
-    x_local = split(x, 1, "cp").clone().requires_grad_()
-    out_local = distributed(x_local)
-    out_local.backward(split(grad_out, 1, "cp"))
-    errors = {"output": rel_error(gather(out_local.detach(), 1, cp_shapes, "cp"), out.detach()),
-              "input grad": rel_error(gather(x_local.grad, 1, cp_shapes, "cp"), x_serial.grad)}
-    reference = dict(serial.named_parameters())
-    # relative to at least 1% of the largest gradient: the key bias's is zero in exact arithmetic (softmax ignores a
-    # shift shared by all keys), rounding noise against rounding noise (as test_distributed_layers)
-    floor = 0.01 * max(p.grad.norm().item() for p in reference.values())
-    for name, param in distributed.named_parameters():
-        grad = param.grad
-        for group in param.mark_for_reduction:
-            grad = reduce(grad, group)
-        expected = shard_of(reference[name].grad, param, name, tp, comm.get_rank("tp"))
-        errors[name] = rel_error(grad, expected, floor)
-    return errors
+    return compare_layers(serial, distributed, x, grad_out, cp_shapes)[0]  # as test_distributed_layers compares
 
 
 def _attention_cases(rank, world, port, cases, results):

@@ -31,7 +31,7 @@ def rel_error(value, reference, floor=0.0):
     return ((value - reference).norm() / max(reference.norm().item(), floor)).item()
 
 
-def _compare(serial, distributed, x, grad_out, cp_shapes):
+def compare_layers(serial, distributed, x, grad_out, cp_shapes):
     """Relative errors of output, input gradient and each weight gradient; also the largest weight-gradient
     error without the cp reduction (to show the comparison can fail)."""
     from distributed.helpers import gather, reduce, split
@@ -100,7 +100,7 @@ def _layer_cases(rank, world, port, layouts, results, device="cpu"):
                 for p in serial.parameters():  # non-trivial norms and biases
                     p.add_(0.1 * torch.randn_like(p))
             distributed.load_serial(serial)
-            out[(tp, cp, seq, label)] = _compare(serial, distributed, x, grad_out, cp_shapes)
+            out[(tp, cp, seq, label)] = compare_layers(serial, distributed, x, grad_out, cp_shapes)
     results[rank] = out
     comm.destroy()
 
