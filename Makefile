@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-band-read bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -129,6 +129,11 @@ bench-agreement: install
 stress-exit: install install-compat
 	$(COMPAT_PY) -m benchmarks.stress_exit --cycles 30 --teardowns 300 --out bench_results/stress_exit_torch2.5.json
 	$(PY) -m benchmarks.stress_exit --cycles 30 --teardowns 300 --out bench_results/stress_exit.json
+
+# what a context-parallel rank reads at 0.25 degrees (distributed/bands.py): bytes and GB/s at cp = 1, 2, 4 (writes
+# 1 GB of 721 x 1440 sample data first if data/era5_721x1440 has none; about a minute)
+bench-band-read: install
+	$(PY) -m benchmarks.bench_band_read --data_dir data/era5_721x1440 --repeats 9 --out bench_results/band_read.json
 
 bench-loader-cosmo: install
 	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --repeats 5 --out bench_results/loader_cosmo.json

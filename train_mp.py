@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from distributed import serial_state
+from distributed import bands, serial_state
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.parallelize import Options, parallelize
 from lifecycle.cli import model_parallel_parser
@@ -51,6 +51,8 @@ def main(argv=None):
 
     # data: each data-parallel rank reads its own shard
     logging.info(f"rank {run.rank}, begin data loader init")
+    band = bands.Band.of_config(params, grid["cp"])  # cp > 1: this rank's tokens lie in a band of image rows
+    params.read_rows = band.rows  # and its loaders read only those rows of each field (distributed/bands.py)
     train_loader = get_data_loader_distributed(params, train=True, worker_start=run.worker_start)
     valid_loader = get_data_loader_distributed(params, train=False, worker_start=run.worker_start)
     logging.info(f"rank {run.rank}, data loader initialized with config {params.data_loader_config}")
@@ -89,7 +91,7 @@ def main(argv=None):
         inp = inp.to(device, non_blocking=True)
         if params.enable_nhwc:
             inp = inp.contiguous(memory_format=memory_format)
-        return inp, tar.to(device, non_blocking=True)
+        return inp, band.whole(tar.to(device, non_blocking=True))  # the targets' bands gathered over cp
 
     def train_step(inp, tar):
         """One optimisation step on a batch already on the device; returns (prediction, loss)."""

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
+from distributed.bands import Band
 from distributed.data_parallel import DDPOptions, init_ddp_model_and_reduction_hooks, reduce_marked_gradients
 from distributed.helpers import compute_split_shapes, init_params_for_shared_weights, mark_shared
 from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
@@ -87,6 +88,7 @@ def split_tokens_and_weights(model, grid):
     cp, tp = grid["cp"], grid["tp"]
     model.cp, model.tp = cp, tp
     model.cp_shapes = compute_split_shapes(model.h * model.w, cp.size)
+    model.band = Band.of(model.img_size, model.patch_size, cp)  # the image rows holding this rank's tokens
     if grid.layout.sequence_parallel and tp.size > 1:  # this rank's cp chunk of tokens is split again over tp
         model.sequence_shapes = compute_split_shapes(model.cp_shapes[cp.rank], tp.size)
     sequence, split_tokens = {"sequence_shapes": model.sequence_shapes}, bool(model.sequence_shapes)
@@ -108,7 +110,8 @@ def split_tokens_and_weights(model, grid):
                 setattr(block, name, layer)
     # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
     # (upstream left them unreduced and the copies drifted apart)
-    for param in model.norm.parameters():
+    # and so do the patch and position embeddings, which see only this rank's band of the image (bands.py)
+    for param in [*model.norm.parameters(), *model.patch_embed.parameters(), model.pos_embed]:
         mark_shared(param, ["tp-cp"], ["cp"])
     init_params_for_shared_weights(model, grid)  # copies of shared weights equal across the model-parallel group
     return model

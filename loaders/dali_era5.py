@@ -25,7 +25,7 @@ class ERA5Source(SamplerSource):
 
     def __call__(self, sample_info):
         year_idx, step = self.dataset.position(self.key(sample_info))
-        shape = (self.dataset.n_channels, self.dataset.img_h, self.dataset.img_w)
+        shape = self.dataset.sample_shapes()[0]  # this cp rank's band of rows, or the whole field
         inp, tar = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
         self.dataset.read_into(year_idx, step, inp)
         self.dataset.read_into(year_idx, step + self.dataset.dt, tar)
@@ -60,7 +60,7 @@ class DALILoader(PipelineLoader):
 
     @property
     def sample_shape(self):
-        return (self.dataset.n_channels, self.dataset.img_h, self.dataset.img_w)
+        return self.dataset.sample_shapes()[0]
 
 
 def dali_era5_loader(params, train, worker_start=PLAIN_START):

@@ -64,6 +64,10 @@ class ERA5Dataset(Dataset):
         self.means = _load_stats(params.global_means_path, self.n_channels)
         self.stds = _load_stats(params.global_stds_path, self.n_channels)
         self.files = [None] * len(self.files_paths)  # opened lazily, once per worker process
+        # context parallelism: this rank reads only rows [y0, y1) of each field (distributed/bands.py), else all
+        self.rows = slice(*(params.get("read_rows") or (0, self.img_h)))
+        if not 0 <= self.rows.start < self.rows.stop <= self.img_h:
+            raise UserError(f"read_rows {params.read_rows} do not lie within the {self.img_h} rows of img_size")
         logging.info(f"Found data at path {location}. Number of examples: {self.n_samples_total}. "
                      f"Image Shape: {self.img_h} x {self.img_w} x {self.n_channels}")
 
@@ -110,7 +114,7 @@ class ERA5Dataset(Dataset):
 
     def _read(self, year_idx, step):
         with self._fields(year_idx, step) as fields:
-            return fields[step, :, :self.img_h, :self.img_w]
+            return fields[step, :, self.rows, :self.img_w]
 
     def position(self, global_idx):
         """(year file index, input time step) of sample `global_idx`."""
@@ -130,8 +134,8 @@ class ERA5Dataset(Dataset):
         return "; ".join(f"{path} time steps {', '.join(found)}" for path, found in steps.items())
 
     def sample_shapes(self):
-        """Shapes of one sample's input and target (C, H, W)."""
-        return ((self.n_channels, self.img_h, self.img_w),) * 2
+        """Shapes of one sample's input and target (C, H, W): H the rows read (this cp rank's band, or all)."""
+        return ((self.n_channels, self.rows.stop - self.rows.start, self.img_w),) * 2
 
     def __getitems__(self, indices):
         """A whole batch (inp, tar) (B, C, H, W): see read_batch_into. No per-sample arrays, no temporaries, no
@@ -154,9 +158,10 @@ class ERA5Dataset(Dataset):
                     plane /= std
 
     def read_into(self, year_idx, step, out):
-        """Time step `step` of year `year_idx`, unnormalised, read straight into `out` (C, H, W) float32."""
+        """Time step `step` of year `year_idx`, unnormalised, read straight into `out` (C, H, W) float32: only the
+        rows read (an HDF5 hyperslab: the other rows' bytes are not read from the file)."""
         with self._fields(year_idx, step) as fields:
-            fields.read_direct(out, source_sel=np.s_[step, :, :self.img_h, :self.img_w])
+            fields.read_direct(out, source_sel=np.s_[step, :, self.rows, :self.img_w])
 
     def __getitem__(self, global_idx):
         year_idx, local_idx = self.position(global_idx)

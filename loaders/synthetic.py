@@ -13,6 +13,8 @@ class SyntheticLoader:
 
     def __init__(self, params, train):
         height, width = params.img_size
+        if params.get("read_rows"):  # this cp rank's band of image rows (distributed/bands.py)
+            height = params.read_rows[1] - params.read_rows[0]
         generator = torch.Generator().manual_seed(int(params.get("seed", 0)) + 1000 * params.data_shard_id + train)
         self.batch_size = params.local_batch_size
         self.batch = (torch.randn(self.batch_size, params.n_in_channels, height, width, generator=generator),

@@ -6,13 +6,15 @@ q/k/v projections, fused scaled-dot-product attention, MLP ratio 4 (MLP_RATIO), 
 The constructor builds the serial model. Tensor (tp) and context (cp) parallelism are applied afterwards by the
 recipe (distributed/parallelize.py): it swaps each block's attention, MLP and norms for the distributed layers of
 distributed/layers.py, holding this rank's shard of the serial weights, and hands the model its cp and tp groups
-(`cp`, `tp`: Axes of the run's grid, size 1 here) with the split shapes: the forward pass splits the token sequence
-over cp after the position embedding and gathers it again before the head, no-ops on groups of one.
+(`cp`, `tp`: Axes of the run's grid, size 1 here) with the split shapes and this cp rank's band of image rows: the
+forward pass embeds only the band holding this rank's tokens (distributed/bands.py), keeps those tokens, and gathers
+the sequence again before the head, no-ops on groups of one.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distributed.bands import serial_band
 from distributed.layers import cast_once_for_autocast
 from distributed.mappings import gather_from_parallel_region, scatter_to_parallel_region
 from utils.errors import UserError
@@ -126,6 +128,7 @@ class VisionTransformer(nn.Module):
         # serial: groups of one; the recipe (distributed/parallelize.split_tokens_and_weights) sets the run's
         self.cp, self.tp = Axis("cp"), Axis("tp")
         self.cp_shapes = [self.h * self.w]  # tokens per cp rank
+        self.band = serial_band(self.h, self.w, patch_size)  # this cp rank's tokens and the image rows holding them
         self.sequence_shapes = None  # sequence parallelism: tokens per tp rank of this cp rank's chunk
 
     def layout_facts(self):
@@ -147,8 +150,10 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x):
         B = x.shape[0]
-        x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
-        x = scatter_to_parallel_region(x, 1, self.cp)  # context parallel: this rank's tokens
+        # context parallel: only the band of image rows holding this rank's tokens is embedded, then its own tokens
+        # are kept (the embedding's gradients are partial, summed over cp); serially the whole field, all tokens
+        x = self.patch_embed(self.band.cut(x)) + self.band.band_of(self.pos_embed)
+        x = self.band.own(self.pos_drop(x))
         if self.sequence_shapes:  # sequence parallel: this tp rank's part of them, between the blocks
             x = scatter_to_parallel_region(x, 1, self.tp)
         for block in self.blocks:

@@ -81,9 +81,10 @@ def test_each_lesson_is_small():
 
 def test_each_lesson_keeps_its_size():
     """The lines `diff train.py X` prints, docstrings included, stay at the size the lessons had when the house was
-    last rebuilt (74 and 35): a feature reaches train_mp.py in one place, not spread over the loop."""
+    last rebuilt (74 and 35), plus the band read of #59 (a cp rank's loaders read its rows, its targets are gathered:
+    4 lines): a feature reaches train_mp.py in one place, not spread over the loop."""
     texts = read_scripts()
-    for name, limit in (("train_mp.py", 74), ("train_graph.py", 35)):
+    for name, limit in (("train_mp.py", 78), ("train_graph.py", 35)):
         lines = difflib.unified_diff(texts["train.py"].splitlines(), texts[name].splitlines(), lineterm="")
         changed = sum(1 for line in lines if line[:1] in "+-" and not line.startswith(("+++", "---")))
         assert changed <= limit, f"diff train.py {name}: {changed} lines, more than {limit}"
