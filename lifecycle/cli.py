@@ -125,6 +125,8 @@ def model_parallel_parser(description):
              "move no data) and print its memory and compute time instead of training (planning/dry_run.py); "
              "without data, add --data_loader_config synthetic")
     add("--dry_run_rank", type=int, default=0, metavar="R", help="with --dry_run: the rank it runs, 0..N-1 (default 0)")
+    add("--dry_run_steps", type=int, default=3, metavar="S",
+        help="with --dry_run: the steps timed after the warm-up (default 3; 0: memory only, no step time)")
     return parser
 
 

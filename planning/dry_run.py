@@ -33,7 +33,6 @@ from utils.compat import join_fake_process_group
 from utils.errors import UserError, error_line, register_cleanup
 from utils.layout import dry_run_refusal
 
-TIMED_STEPS = 3  # after one warm-up step (it allocates the gradients and Adam's moments)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100": "A100-40GB"}
 
@@ -95,14 +94,15 @@ def predicted(params, layout, device, ddp=True):
 
 
 def report(run, model, batch, to_device, train_step, optimizer, layout):
-    """Time `train_step` on one batch (a warm-up, then TIMED_STEPS), measure this rank's memory, print a table and,
-    last, one JSON object; returns that object. Ends the run (finish_run: the process group goes)."""
+    """Time `train_step` on one batch (a warm-up step, which allocates the gradients and Adam's moments, then
+    --dry_run_steps more, timed: 0 for memory only), measure this rank's memory, print a table and, last, one JSON
+    object; returns that object. Ends the run (finish_run: the process group goes)."""
     params, device = run.params, run.device
     set_train_mode(model, params)
     inp, tar = to_device(*batch)
     train_step(inp, tar)  # warm-up: gradients and optimizer state exist from here on
     seconds = []
-    for _ in range(TIMED_STEPS):
+    for _ in range(run.args.dry_run_steps):
         comm.synchronize(device)
         start = time.perf_counter()
         train_step(inp, tar)
@@ -119,7 +119,8 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
                          "flags": layout.flags()},
               "config": params.config_name, "local_batch_size": params.local_batch_size, "amp_mode": params.amp_mode,
               "device": str(device), **memory, "peak_memory_gb": peak_gb, "peak_memory_is": peak_is,
-              "step_time_s": statistics.median(seconds), "step_time_is": "compute only: the collectives move nothing",
+              "step_time_s": statistics.median(seconds) if seconds else None,
+              "step_time_is": "compute only: the collectives move nothing" if seconds else "not timed (--dry_run_steps 0)",
               "predicted": predicted(params, layout, device, ddp=not run.args.noddp)}
     finish_run(run)
     print(table(result))
@@ -136,7 +137,8 @@ def table(result):
     rows.append(("peak memory", f"{result['peak_memory_gb']:.3f} GB",
                  f"{model['peak_memory_gb']:.3f} GB" if model else "-"))
     step = model.get("step_time_s")
-    rows.append(("step time (compute)", f"{result['step_time_s'] * 1e3:.1f} ms",
+    measured = result["step_time_s"]
+    rows.append(("step time (compute)", f"{measured * 1e3:.1f} ms" if measured is not None else "not timed",
                  f"{step * 1e3:.1f} ms on {model['system']}" if step else "-"))
     layout = result["layout"]
     lines = [f"Dry run of rank {result['rank']} of {result['world_size']} (tp={layout['tp']}, cp={layout['cp']}, "
