@@ -24,6 +24,7 @@ Checked against the real model, the flop counter and the collectives on gloo in 
 predictions against the published GPU runs and the planner's obvious truths in tests/perf/test_plan.py.
 """
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,12 @@ from utils.gpus import GPU_PEAKS
 from utils.layout import Layout
 
 SERIAL = Layout()
+
+
+def cp_method_of(layout):
+    """How attention reaches the other cp ranks' keys and values (utils/layout.py's cp_method); at cp = 1 every
+    method is the serial attention, counted as all-gather's."""
+    return layout.cp_method if layout.cp > 1 else "allgather"
 # the original tutorial's q, k and v each cast the norm's output under autocast, as this repository's did until
 # 2026-11-28 (the runs measured before then: the published ones, the committed H100 profiles, mp_shape.json)
 ORIGINAL_ATTENTION_INPUT_CASTS = 3
@@ -51,6 +58,10 @@ class ViTShape:
     # 16-bit copies of the first norm's output that q, k and v read: 1 here (the attention casts once);
     # ORIGINAL_ATTENTION_INPUT_CASTS in the original tutorial's code (its published runs: planning/plan.py)
     attention_input_casts: int = 1
+    # attention over earlier tokens only (a language model's); the ViT's is bidirectional. Only the published
+    # context-parallel comparison, a causal model, is read with it on (cp_comparison): the kernels skip the masked
+    # half of the scores, and contiguous cp chunks then give the last rank the most work
+    causal: bool = False
 
     @classmethod
     def from_params(cls, params):
@@ -67,6 +78,8 @@ def flops_per_sample(shape):
     d, t, depth, patch_values = shape.embed_dim, shape.tokens, shape.depth, shape.patch_size ** 2
     linear = 2 * t * (4 * d * d + 2 * d * shape.hidden)  # q, k, v, proj, fc1, fc2: forward
     attention = 4 * t * t * d  # q k^T and (softmax) v, all heads: forward
+    if shape.causal:
+        attention //= 2  # the masked half is not computed
     blocks = depth * (3 * linear + 3 * attention)  # backward: twice the forward
     embed = 2 * (2 * t * d * shape.in_channels * patch_values)  # forward + weight gradient (no input gradient)
     head = 3 * (2 * t * d * shape.out_channels * patch_values)
@@ -136,16 +149,25 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     their outputs in 16 bits; the distributed layers add their bias in fp32, so fc1's output is fp32 and q, k, v
     and GELU's output are 16-bit casts. Outside the blocks: the input image (its 16-bit cast), the final norm's input
     (t_c) and the head's input (t, gathered over cp), and the 16-bit copies of the patch-embedding and head weights.
-    With checkpointing a block keeps only its input (fp32: the residual stream)."""
+    With checkpointing a block keeps only its input (fp32: the residual stream).
+
+    The cp method (layout.cp_method) changes what the attention keeps: all-gather its queries and the whole
+    sequence's K/V (t_kv = t); ring its own K/V block (t_kv = t_c), and under autocast q, k, v and its output in fp32
+    (they reach it fp32) with proj's 16-bit cast of that output; all-to-all q, k, v and its output on heads / cp heads
+    for all t tokens (4 t D / cp), and proj's input, the output back on this rank's tokens (measured to the byte
+    against dry runs of wfm_tiny, fp32 and bf16, cp 2 and 4, tp 2 x cp 2)."""
     d, t, hidden, heads = shape.embed_dim, shape.tokens, shape.hidden, shape.num_heads
     tp, cp, sequence_parallel, checkpointing = layout.tp, layout.cp, layout.sequence_parallel, layout.checkpointing
     t_c = _chunk(t, cp)
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
-    t_kv = t if cp > 1 else t_c
+    method = cp_method_of(layout)
     distributed = tp * cp > 1
     image = shape.in_channels * shape.tokens * shape.patch_size ** 2
-    stats = 2 * 8 * t_s + 4 * (heads // tp) * t_c  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp
-    qkv = t_c * d // tp + 2 * t_kv * d // tp  # values of q, k and v
+    lse = 4 * (heads // (tp * cp)) * t if method == "alltoall" else 4 * (heads // tp) * t_c  # log-sum-exp (fp32)
+    stats = 2 * 8 * t_s + lse  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp
+    qkv = t_c * d // tp + kv_values(shape, layout)  # values of q, k and v
+    if method == "alltoall":  # q, k, v and the output on heads / cp heads over every token
+        qkv = 2 * kv_values(shape, layout)
     weights = 0
     if checkpointing:
         block = 4 * t_s * d
@@ -153,13 +175,34 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
         block = 4 * (2 * t_s * d + 2 * t_c * d + qkv + t_c * d // tp + 2 * t_c * hidden // tp) + stats
     else:
         casts = shape.attention_input_casts + 1  # and fc1's
-        block = 2 * 4 * t_s * d + casts * 2 * t_c * d + 2 * qkv + 2 * t_c * d // tp + stats  # norms, casts, attention
+        # the attention: its 16-bit q, k, v and output (proj's input); the ring keeps q, k, v and its output as it
+        # gets them, in fp32 (the distributed layers' fp32 bias), and proj casts that output
+        attention = 18 * t_c * d // tp if method == "ring" else 2 * qkv + 2 * t_c * d // tp
+        block = 2 * 4 * t_s * d + casts * 2 * t_c * d + attention + stats  # norms, casts, attention
         block += (4 + 2) * t_c * hidden // tp if distributed else 2 * 2 * t_c * hidden  # fc1 out, GELU out
         weights = 2 * (4 * d * d + 2 * d * hidden) // tp
     patch_values = shape.patch_size ** 2
     root = (2 if half else 4) * image + 4 * t_c * d + 8 * t_c + (2 if half else 4) * t * d
     root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values if half else 0
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
+
+
+def kv_values(shape, layout=SERIAL):
+    """Values of keys and values that one block's attention keeps for the backward pass on rank 0 of `layout`:
+    all-gather the whole sequence's (2 t D, D = embed / tp: the same at every cp), ring its own block (2 t_c D),
+    all-to-all every token's on heads / cp heads (2 t D / cp)."""
+    t, d, tp, cp = shape.tokens, shape.embed_dim, layout.tp, layout.cp
+    method = cp_method_of(layout)
+    if method == "alltoall":
+        return 2 * t * d // (tp * cp)
+    return 2 * (t if method == "allgather" and cp > 1 else _chunk(t, cp)) * d // tp
+
+
+def kv_bytes_per_rank(shape, layout, batch, half=False):
+    """Bytes of keys and values the attention of every block keeps on rank 0 at a local batch of `batch`: kv_values
+    in the dtype each method keeps them (16-bit under autocast, but the ring's fp32: they reach it so)."""
+    width = 2 if half and cp_method_of(layout) != "ring" else 4
+    return batch * shape.depth * width * kv_values(shape, layout)
 
 
 def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=False):
@@ -217,8 +260,22 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
             add("tp", "all_reduce", depth * out_act * (2 + again) * t_c * d)  # the exits (forward, recomputed)
             add("tp", "all_reduce", depth * act * 2 * t_c * d)  # backward: the entries' gradients
     if cp > 1:
-        add("cp", "all_gather", depth * act * 2 * (1 + again) * cp * t_c * d // tp)  # keys and values
-        add("cp", "reduce_scatter", depth * act * 2 * t * d // tp)  # their gradients
+        method = cp_method_of(layout)
+        if method == "allgather":
+            add("cp", "all_gather", depth * act * 2 * (1 + again) * cp * t_c * d // tp)  # keys and values
+            add("cp", "reduce_scatter", depth * act * 2 * t * d // tp)  # their gradients
+        elif method == "ring":
+            # this rank sends each K/V block it holds on to the next rank, all but the last (forward, recomputed,
+            # backward), at their own lengths; in the backward each block's dK/dV sum (fp32) follows it one step
+            # behind, cp sends in all (the last brings this rank's predecessor's sum home)
+            shapes = compute_split_shapes(t, cp)
+            passed = sum(shapes[-step % cp] for step in range(cp - 1))  # the blocks rank 0 holds at steps 0..cp-2
+            add("cp", "send_recv", depth * act * 2 * (2 + again) * passed * d // tp, "ring")  # keys and values
+            add("cp", "send_recv", depth * 4 * batch * 2 * t * d // tp, "ring")  # dK/dV, every block once
+        else:  # all-to-all: q, k, v (one message) to head shards, the output back; backward the same, reversed
+            heads_share = t * d // (tp * cp)  # values of one tensor on heads / cp heads over every token
+            add("cp", "all_to_all", depth * act * (2 + again) * 3 * t_c * d // tp)  # q, k, v and their gradients
+            add("cp", "all_to_all", depth * out_act * (2 + again) * heads_share)  # the output and its gradient
         # the token split after the embedding (its backward) and the join before the head (forward)
         add("cp", "all_gather", 2 * act * cp * t_c * d)
     tensors = _tensor_shapes(shape, tp, tp * cp > 1)
@@ -277,10 +334,10 @@ class System:
     gpus_per_node: int = 4
 
 
-def _system(name, gpu, hbm_bytes_per_s, memory_gib, nvlink_pair):
+def _system(name, gpu, hbm_bytes_per_s, memory_gib, nvlink_pair, **node):
     """A System of the GPU `gpu`, with its peak FLOP/s from utils/gpus.py (the table MFU is measured against)."""
     peaks = GPU_PEAKS[gpu]
-    return System(name, peaks.tensor_flops(), peaks.fp32, hbm_bytes_per_s, memory_gib, nvlink_pair)
+    return System(name, peaks.tensor_flops(), peaks.fp32, hbm_bytes_per_s, memory_gib, nvlink_pair, **node)
 
 
 # bandwidths and memory: vendor datasheets; FLOP/s: utils/gpus.py; NVLink: links per GPU pair x 25 GB/s one way
@@ -289,6 +346,9 @@ SYSTEMS = {system.name: system for system in (
     _system("A100-80GB", "A100", 2.039e12, 80, 4 * 25e9),
     _system("H100-SXM", "H100", 3.35e12, 80, 6 * 25e9),  # 4-GPU HGX board: 6 NVLink-4 links per pair
     _system("H200", "H200", 4.8e12, 141, 6 * 25e9),
+    # an 8-GPU HGX H200 node (the published cp comparison's): NVSwitch gives any pair a GPU's 18 NVLink-4 links;
+    # one 400 Gb/s ConnectX-7 NIC per GPU
+    _system("H200-HGX8", "H200", 4.8e12, 141, 18 * 25e9, nic_bytes_per_s=50e9, gpus_per_node=8),
 )}
 
 # The fraction of a peak that each kind of work reaches: one number each, for every layout and system (none is
@@ -317,9 +377,14 @@ GIB = 1024 ** 3
 def group_spans_nodes(layout, gpus_per_node):
     """{group: True if one of its groups holds ranks of two nodes} for the groups of `layout` (ranks fill the nodes
     in order, `gpus_per_node` each)."""
-    grid = layout.grid()
-    return {name: any(len({rank // gpus_per_node for rank in ranks}) > 1 for ranks in grid.get_ranks(name))
-            for name in ("tp", "cp", "tp-cp", "dp")}
+    return dict(_spans(layout.tp, layout.cp, layout.dp, layout.order, gpus_per_node))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(tp, cp, dp, order, gpus_per_node):
+    grid = Layout(tp=tp, cp=cp, dp=dp, order=order).grid()
+    return tuple((name, any(len({rank // gpus_per_node for rank in ranks}) > 1 for ranks in grid.get_ranks(name)))
+                 for name in ("tp", "cp", "tp-cp", "dp"))
 
 
 def _group_size(layout, group):
@@ -328,21 +393,41 @@ def _group_size(layout, group):
 
 def collective_seconds(op, nbytes, ranks, bandwidth):
     """A ring collective of `ranks` ranks: each rank sends (n-1)/n of the data once (all-gather: of its output;
-    reduce-scatter: of its input), twice for an all-reduce, at `bandwidth` bytes/s times the network efficiency."""
+    reduce-scatter: of its input; all-to-all: of its input, the pieces for the other ranks), twice for an
+    all-reduce, at `bandwidth` bytes/s times the network efficiency. A point-to-point send ("send_recv": the ring's
+    blocks) sends all its bytes to one rank."""
     if ranks == 1:
         return 0.0
+    if op == "send_recv":
+        return nbytes / (bandwidth * EFFICIENCY["network"])
     wire = (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks * nbytes
     return wire / (bandwidth * EFFICIENCY["network"])
+
+
+def attention_scores(shape, layout=SERIAL):
+    """Attention scores (query-key pairs, over this rank's heads) of one sample in one block on the cp group's
+    slowest rank, which the others wait for. All-gather and ring: this rank's t_c queries against all t keys
+    (heads / tp); all-to-all: every query against every key on heads / (tp cp) heads: the same work, whole. Causal
+    attention (the published comparison's) computes the unmasked pairs only: t^2 / 2 whole; over contiguous cp chunks
+    the last rank's queries see the most keys, t_c (t - t_c / 2), where all-to-all still splits heads evenly."""
+    t, heads, tp, cp = shape.tokens, shape.num_heads, layout.tp, layout.cp
+    if cp_method_of(layout) == "alltoall":
+        pairs, heads_here = (t * t // 2 if shape.causal else t * t), heads // (tp * cp)
+    else:
+        t_c, heads_here = _chunk(t, cp), heads // tp
+        pairs = t_c * t  # this rank's queries x all keys
+        if shape.causal:
+            pairs = t * t // 2 if cp == 1 else t_c * t - t_c * t_c // 2
+    return pairs * heads_here
 
 
 def attention_work_per_sample(shape, layout=SERIAL):
     """(tensor-core FLOPs, fp32 softmax operations) that attention's kernels execute for one sample on one rank:
     the head dimension padded to a FlashAttention kernel's, the backward pass recomputing the scores (10 T^2 D, where
     the flop counter counts 8), checkpointing's second forward."""
-    head_dim = shape.embed_dim // shape.num_heads
-    tp, cp, checkpointing = layout.tp, layout.cp, layout.checkpointing
-    padded = next((size for size in FLASH_HEAD_DIMS if size >= head_dim), head_dim)
-    scores = _chunk(shape.tokens, cp) * shape.tokens * (shape.num_heads // tp)  # this rank's queries x all keys
+    _, padded = _head_dims(shape)
+    checkpointing = layout.checkpointing
+    scores = attention_scores(shape, layout)
     forwards = 2 if checkpointing else 1
     tensor = scores * padded * (4 * forwards + 10)
     return shape.depth * tensor, shape.depth * scores * (SOFTMAX_OPS[0] * forwards + SOFTMAX_OPS[1])
@@ -381,7 +466,26 @@ def memory_bound_bytes_per_sample(shape, layout=SERIAL, half=False):
         bias = 24 * s + 16 * r + 8 * h
     if tp * cp > 1:
         forward += bias
-    return shape.depth * forward * (4 if layout.checkpointing else 3)
+    return shape.depth * (forward * (4 if layout.checkpointing else 3) + _cp_method_bytes(shape, layout, half))
+
+
+def _cp_method_bytes(shape, layout, half):
+    """Bytes one block's cp method moves through HBM for one sample besides the attention kernels (an estimate, as
+    the rest of memory_bound_bytes_per_sample, in units of this rank's q or output, c = t_c D): the ring stacks its K
+    and V (16 c, forward and backward), merges each block's result into the running one in fp32 (read both, write
+    one: 12 c, cp - 1 merges) and in the backward adds each block's dQ and dK/dV parts and the dK/dV sums received
+    (52 c a step), the output's gradient cast to fp32 under autocast; all-to-all copies each tensor it moves three
+    times, read and written (stacked, packed, unpacked: q, k, v fp32 under autocast, the output 16-bit), forward and
+    backward. Checkpointing repeats the forward's. All-gather: none counted (nccl writes into the gathered tensor)."""
+    method, tp, cp = cp_method_of(layout), layout.tp, layout.cp
+    if method == "allgather":
+        return 0
+    c = _chunk(shape.tokens, cp) * shape.embed_dim // tp
+    forwards = 2 if layout.checkpointing else 1
+    if method == "ring":
+        return c * (forwards * (16 + 12 * (cp - 1)) + 16 + 52 * cp - 24 + (6 if half else 0))
+    out = 2 if half else 4
+    return c * (forwards + 1) * 3 * 2 * (3 * 4 + out)
 
 
 def _block_saved_bytes(shape, batch, half, layout):
@@ -398,7 +502,8 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     this rank's shards, and the root module's weights, gathered (in the autocast dtype with `half`) until its
     backward), DDP's flat gradient buckets (`ddp`: more than one rank and no --noddp), the batch (input and target)
     and the saved activations. The peak, during the backward pass: that, plus the gradients and one block's
-    activations (its recomputation under checkpointing, its gradients otherwise)."""
+    activations (its recomputation under checkpointing, its gradients otherwise), and what the cp method holds in
+    flight then (cp_buffer_bytes: none for all-gather)."""
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     states = state_bytes_per_rank(shape, layout)
     buckets = states["gradients"] if ddp and layout.world_size > 1 and not layout.fsdp else 0
@@ -413,8 +518,23 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     found["after_forward"] = sum(found.values())
     found["gradients"] = states["gradients"]
     found["backward_block"] = _block_saved_bytes(shape, batch, half, layout)
-    found["peak"] = found["after_forward"] + found["gradients"] + found["backward_block"]
+    found["cp_buffers"] = cp_buffer_bytes(shape, layout, batch)
+    found["peak"] = found["after_forward"] + found["gradients"] + found["backward_block"] + found["cp_buffers"]
     return found
+
+
+def cp_buffer_bytes(shape, layout, batch):
+    """The copies a cp method makes of what it moves, held only while it moves them (an estimate; c = t_c D values,
+    fp32 as this repository's methods move them under autocast): the ring a stacked copy of the K/V block it sends
+    and the block it receives (2 x 2 c x 4 bytes); all-to-all q, k, v (or their gradients) stacked, packed into its
+    send buffer and received (3 x 3 c x 4 bytes); all-gather none (NCCL gathers into the K/V it saves). The
+    gradients in flight (the ring's dK/dV sums, all-gather's dK/dV of the whole sequence before its reduce-scatter)
+    are left, for every method alike, in the one block of the backward pass that memory_bytes counts."""
+    method = cp_method_of(layout)
+    if method == "allgather":
+        return 0
+    c = _chunk(shape.tokens, layout.cp) * shape.embed_dim // layout.tp
+    return batch * (16 if method == "ring" else 36) * c
 
 
 def block_flops_per_sample(shape, layout=SERIAL):
@@ -454,13 +574,14 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     compute_s = matmul_s + softmax_s + memory_s
     backward_s = compute_s * (3 / 4 if layout.checkpointing else 2 / 3)  # the backward pass (with its recomputation)
     spans = group_spans_nodes(layout, system.gpus_per_node)
-    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0}
+    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0, "ring": 0.0}
     collectives = collectives_per_step(shape, batch, layout, half=half)
     for group, op, nbytes, when in collectives:
         bandwidth = system.nic_bytes_per_s if spans[group] else system.nvlink_pair
         comm_s[when] += collective_seconds(op, nbytes, _group_size(layout, group), bandwidth)
+    ring = ring_steps(shape, system, layout, batch, amp_mode) if cp_method_of(layout) == "ring" else None
     exposed_s = comm_s["activations"] + comm_s["step"] + max(0.0, comm_s["gradients"] - backward_s) + \
-        max(0.0, comm_s["weights"] - compute_s)
+        max(0.0, comm_s["weights"] - compute_s) + (ring["exposed_s"] if ring else 0.0)
     step_s = compute_s + exposed_s
     samples_per_sec = global_batch / step_s
     memory = memory_bytes(shape, layout, batch, half)
@@ -483,6 +604,8 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
         "flops_per_sample": flops,
         "comm_bytes_per_step": _bytes_by_group(collectives),
         "comm_seconds": comm_s,
+        "cp_method": cp_method_of(layout),
+        "ring": ring,  # ring layouts: its steps, their compute and transfer, the blocks that hide it (ring_steps)
         "parameters_per_gpu": held,
         "counts": {  # rank 0, one step at the local batch (bytes; FLOPs per sample)
             "block_flops_per_sample": dict(zip(("forward", "backward"), block_flops_per_sample(shape, layout))),
@@ -491,6 +614,78 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
                             for group, op, nbytes, when in collectives],
         },
     }
+
+
+def cp_link(system, layout):
+    """(bytes/s one way, "NVLink" or "network") of the link the cp group's transfers cross: a GPU pair's NVLink
+    inside a node, the NIC when the group spans nodes (the slowest hop sets a ring's pace)."""
+    if group_spans_nodes(layout, system.gpus_per_node)["cp"]:
+        return system.nic_bytes_per_s, "network"
+    return system.nvlink_pair, "NVLink"
+
+
+def ring_minimal_block(flops, link_bytes_per_s, kv_bytes=2):
+    """Ring Attention's overlap condition (Liu et al., 2023): a block of c query tokens attends to a block of c key
+    tokens in 4 c^2 d FLOPs (q k^T, then the probabilities times v) while the next K and V block, 2 c d values of
+    `kv_bytes`, crosses the link: the transfer hides when 4 c^2 d / F >= 2 c d kv_bytes / B, that is when the block
+    holds c >= F kv_bytes / (2 B) tokens: F / B for 16-bit K and V (F the peak FLOP/s, B the link's bytes/s)."""
+    return flops * kv_bytes / (2 * link_bytes_per_s)
+
+
+def _head_dims(shape):
+    head_dim = shape.embed_dim // shape.num_heads
+    return head_dim, next((size for size in FLASH_HEAD_DIMS if size >= head_dim), head_dim)
+
+
+def ring_steps(shape, system, layout, batch, amp_mode="bf16"):
+    """The ring's steps on one block layer, for `batch` samples (seconds), and what of its transfers is exposed.
+
+    A step computes one block (this rank's t_c queries against t_c keys, heads / tp: the kernels' tensor-core work,
+    4 and 10 x the padded head dimension per score forward and backward, and the softmax's fp32 operations, at the
+    model's efficiency) while the next K/V block crosses the cp link (cp_link; this repository's ring sends K and V
+    in fp32 under autocast: they come out of the distributed layers with an fp32 bias; 16-bit under FSDP's policy),
+    and in the backward also the dK/dV sum of the previous step (fp32). A step lasts the longer of its compute and its
+    transfers. Forward: cp - 1 transfers behind cp - 1 blocks. Backward: the K/V blocks again and the dK/dV sums one
+    step behind them; the last sum, sent after the last block, has nothing to hide behind. Checkpointing runs the
+    forward ring twice. `min_block_tokens`: the block at which compute equals transfer, forward and backward, in
+    this model, beside Liu's F / B on the same link (ring_minimal_block); `hidden`: whether the layout's block
+    reaches both."""
+    half = amp_mode in ("bf16", "fp16")
+    flops = system.tensor_flops[amp_mode if half else "tf32"] * EFFICIENCY["matmul"]
+    vector = system.vector_flops * EFFICIENCY["matmul"]
+    bandwidth, link = cp_link(system, layout)
+    moved = bandwidth * EFFICIENCY["network"]
+    head_dim, padded = _head_dims(shape)
+    kv_bytes = 2 if (layout.fsdp and half) else 4
+    heads, cp, t_c = shape.num_heads // layout.tp, layout.cp, _chunk(shape.tokens, layout.cp)
+    # seconds per score of all this rank's heads, and per block token transferred
+    forward_pair = heads * (4 * padded / flops + SOFTMAX_OPS[0] / vector)
+    backward_pair = heads * (10 * padded / flops + SOFTMAX_OPS[1] / vector)
+    kv_token, dkv_token = 2 * heads * head_dim * kv_bytes / moved, 2 * heads * head_dim * 4 / moved
+    forward_s, backward_s = batch * t_c * t_c * forward_pair, batch * t_c * t_c * backward_pair
+    kv_s, dkv_s = batch * t_c * kv_token, batch * t_c * dkv_token
+    exposed_forward = (cp - 1) * max(0.0, kv_s - forward_s)
+    exposed_backward = max(0.0, kv_s - backward_s) + (cp - 2) * max(0.0, kv_s + dkv_s - backward_s) + \
+        max(0.0, dkv_s - backward_s) + dkv_s
+    forwards = 2 if layout.checkpointing else 1
+    peak = system.tensor_flops[amp_mode if half else "tf32"]
+    return {
+        "link": link, "link_bytes_per_s": bandwidth, "block_tokens": t_c,
+        "step_s": {"forward_compute": forward_s, "backward_compute": backward_s, "kv_transfer": kv_s,
+                   "dkv_transfer": dkv_s},
+        "min_block_tokens": {"forward": kv_token / forward_pair, "backward": (kv_token + dkv_token) / backward_pair,
+                             "liu": ring_minimal_block(peak, bandwidth)},
+        "hidden": kv_s <= forward_s and kv_s + dkv_s <= backward_s,
+        "exposed_s": shape.depth * (forwards * exposed_forward + exposed_backward),
+    }
+
+
+def attention_over_dense(shape):
+    """The attention core's FLOPs against the dense layers', per token of one block: 4 L e (q k^T and the
+    probabilities times v, L keys) over 2 (4 e^2 + 2 e h) (q, k, v, proj and the MLP of width h): L / 6e at h = 4e.
+    Causal attention computes half the scores."""
+    e, t = shape.embed_dim, shape.tokens
+    return 4 * t * e / (2 if shape.causal else 1) / (2 * (4 * e * e + 2 * e * shape.hidden))
 
 
 def compute_seconds(prediction):

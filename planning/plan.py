@@ -31,14 +31,16 @@ from planning.perf_model import (
     RUNTIME_OVERHEAD_GIB,
     SYSTEMS,
     ViTShape,
+    attention_over_dense,
     compute_seconds,
     flops_per_sample,
     parameters_per_rank,
     predict,
+    ring_steps,
 )
 from resilience.exits import exit_on_user_error
 from utils.errors import ArgumentParser, UserError
-from utils.layout import Layout
+from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, Layout
 from utils.YParams import YParams
 
 MEASURE_TIMEOUT_S = 3600  # one dry run of --measure (the `mp` ViT's rank 0 on a laptop CPU takes minutes)
@@ -64,6 +66,12 @@ PARTS = {"attention": (("attention",), "attention (FlashAttention: its matmuls a
          "gemm": (("gemm",), "GEMMs (the linear layers)"),
          "memory_bound": (("norm_elementwise", "optimizer"), "memory-bound (norms, elementwise, optimizer)")}
 PART_TOLERANCE = {"attention": 0.15, "gemm": 0.25}  # measured / model within 1 +- this; memory-bound: see below
+DEFAULT_GPU = "A100-40GB"
+# --methods: Perlmutter's A100 nodes and H100 nodes (unless --gpu names one), and the patch sizes whose sequence
+# lengths it sweeps (those that divide the config's image: 720 x 1440 gives 4,050 to 259,200 tokens)
+METHOD_SYSTEMS = ("A100-40GB", "H100-SXM")
+SWEEP_PATCHES = (16, 12, 8, 6, 4, 3, 2)
+METHOD_NAMES = {"allgather": "all-gather", "ring": "ring", "alltoall": "all-to-all"}
 
 def parser():
     parser = ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +85,10 @@ def parser():
     add("--sequence_parallel", action="store_true")
     add("--activation_checkpointing", action="store_true")
     add("--fsdp", action="store_true")
-    add("--gpu", choices=sorted(SYSTEMS), default="A100-40GB", help="the GPU (Perlmutter-style nodes of 4)")
+    add("--cp_method", choices=CP_METHODS, default=None,
+        help=f"how cp attention reaches the other ranks' K/V (default {DEFAULT_CP_METHOD}; with --plan: each)")
+    add("--gpu", choices=sorted(SYSTEMS), default=None,
+        help=f"the GPU (default {DEFAULT_GPU}; Perlmutter-style nodes of 4, H200-HGX8 an 8-GPU NVSwitch node)")
     add("--gpus", type=int, default=None, help="GPUs of the job (default: tp x cp, so dp = 1)")
     add("--overhead_gb", type=float, default=RUNTIME_OVERHEAD_GIB,
         help="GPU memory outside the model's tensors (CUDA context, NCCL, DALI); default: the tutorial's")
@@ -85,6 +96,10 @@ def parser():
     add("--json", action="store_true", help="end with one line of JSON")
     add("--top", type=int, default=10, help="layouts printed with --plan (the JSON holds all)")
     add("--published", action="store_true", help="the model against the published runs (README's table)")
+    add("--methods", action="store_true",
+        help="the three cp methods: the fastest layouts with their method, and over sequence lengths (the config's "
+             f"image at patch {', '.join(map(str, SWEEP_PATCHES))}) where each starts to pay, on "
+             f"{' and '.join(METHOD_SYSTEMS)} (or --gpu)")
     add("--parts", nargs="?", const=PROFILES, default=None, metavar="STEP_PROFILES_JSON",
         help="the model's step, part by part, against the measured step profiles of one GPU (default: "
              "bench_results/gpu/step_profiles.json)")
@@ -108,10 +123,13 @@ def refusal(shape, layout, global_batch):
                           global_batch=global_batch)
 
 
-def sbatch_line(config, layout, amp_mode=None):
+def sbatch_line(config, layout, amp_mode=None, gpus_per_node=4):
     gpus = layout.world_size
     nodes = f"--nodes {math.ceil(gpus / 4)}" if gpus >= 4 else f"--nodes 1 --ntasks-per-node {gpus} " \
         f"--gpus-per-node {gpus}"
+    if gpus_per_node != 4:  # submit_pm_mp.sh runs 4 ranks a node: say this node's
+        per_node = min(gpus, gpus_per_node)
+        nodes = f"--nodes {math.ceil(gpus / per_node)} --ntasks-per-node {per_node} --gpus-per-node {per_node}"
     extra = [f"--amp_mode={amp_mode}"] if amp_mode else []
     return " ".join(["sbatch", nodes, "submit_pm_mp.sh", f"--config={config}", *layout.flags(), *extra])
 
@@ -124,14 +142,16 @@ def layouts_of(gpus, args):
         for cp in divisors if args.context_parallel is None else [args.context_parallel]:
             if gpus % (tp * cp):
                 continue
-            for sp, ac, fsdp in MEMORY_FLAGS:
+            # the cp method given, or each at cp > 1 (at cp = 1 there is none: the default stands for it)
+            methods = [args.cp_method or DEFAULT_CP_METHOD] if cp == 1 or args.cp_method else CP_METHODS
+            for (sp, ac, fsdp), method in itertools.product(MEMORY_FLAGS, methods):
                 if (sp and tp == 1) or (fsdp and gpus == tp * cp and not args.fsdp):
                     continue
                 if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
                         (args.fsdp and not fsdp):
                     continue
                 yield Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=sp,
-                                       checkpointing=ac, fsdp=fsdp)
+                                       checkpointing=ac, fsdp=fsdp, cp_method=method)
 
 
 def plan(shape, system, gpus, global_batch, amp_mode, args):
@@ -146,7 +166,7 @@ def plan(shape, system, gpus, global_batch, amp_mode, args):
         divides = True
         prediction = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
         if prediction["fits"]:
-            prediction["sbatch"] = sbatch_line(args.config, layout, args.amp_mode)
+            prediction["sbatch"] = sbatch_line(args.config, layout, args.amp_mode, system.gpus_per_node)
             found.append(prediction)
     if not divides:
         reason = f" ({first_problem})" if first_problem else ""
@@ -154,13 +174,36 @@ def plan(shape, system, gpus, global_batch, amp_mode, args):
     return sorted(found, key=lambda row: -row["samples_per_sec"])
 
 
+def cp_name(row):
+    """'cp=4' with its method where there is one: 'cp=4 (ring)'."""
+    method = row.get("cp_method", DEFAULT_CP_METHOD)
+    return f"cp={row['cp']}" + (f" ({method})" if row["cp"] > 1 else "")
+
+
+def _flags(row):
+    """A row's flags after tp and cp, but the cp method (cp_name says it)."""
+    return [flag for flag in row["flags"][2:] if not flag.startswith("--cp_method")]
+
+
+def ring_line(row):
+    """The ring's overlap in one line: its block, the link, the blocks that hide their transfer."""
+    ring = row.get("ring")
+    if not ring:
+        return None
+    need = ring["min_block_tokens"]
+    return (f"  ring: blocks of {ring['block_tokens']:,} tokens over {ring['link']} "
+            f"({ring['link_bytes_per_s'] / 1e9:g} GB/s); a block hides its transfer from "
+            f"{need['forward']:,.0f} tokens forward, {need['backward']:,.0f} backward (Liu et al.'s F/B: "
+            f"{need['liu']:,.0f}): {'hidden' if ring['hidden'] else 'NOT hidden'}")
+
+
 def describe(row, system):
     breakdown, counts = row["time_breakdown_s"], row["counts"]
     memory = counts["memory_bytes"]
     comm = ", ".join(f"{group} {nbytes / GIB:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
                      if nbytes)
-    return "\n".join([
-        f"layout tp={row['tp']} cp={row['cp']} dp={row['dp']} ({row['order']}) {' '.join(row['flags'][2:])}".rstrip(),
+    lines = [
+        f"layout tp={row['tp']} {cp_name(row)} dp={row['dp']} ({row['order']}) {' '.join(_flags(row))}".rstrip(),
         f"  per GPU: {row['parameters_per_gpu'] / 1e6:.1f} M parameters, local batch {row['local_batch_size']}; "
         f"memory after the forward {row['memory_after_forward_gb']:.1f} GB, peak {row['peak_memory_gb']:.1f} GB of "
         f"{system.memory_gib:g} ({'fits' if row['fits'] else 'does NOT fit'})",
@@ -173,8 +216,15 @@ def describe(row, system):
         f"  step {1e3 * row['step_time_s']:.0f} ms: matmul {1e3 * breakdown['matmul']:.0f}, softmax "
         f"{1e3 * breakdown['softmax']:.0f}, memory-bound {1e3 * breakdown['memory_bound']:.0f}, exposed "
         f"communication {1e3 * breakdown['exposed_communication']:.0f} ms; moved per step: {comm or 'nothing'}",
-        f"  predicted {row['samples_per_sec']:.1f} samples/s, MFU {100 * row['mfu']:.1f}%",
-        f"  run it: {row['sbatch']}"])
+        f"  predicted {speed(row['samples_per_sec'])} samples/s, MFU {100 * row['mfu']:.1f}%",
+        ring_line(row),
+        f"  run it: {row['sbatch']}"]
+    return "\n".join(line for line in lines if line)
+
+
+def speed(samples_per_sec):
+    """Samples/s as printed: one decimal, three figures below 10 (a 0.25-degree step takes seconds)."""
+    return f"{samples_per_sec:.1f}" if samples_per_sec >= 10 else f"{samples_per_sec:.3g}"
 
 
 def against_published(yaml_config="./config/ViT.yaml"):
@@ -290,10 +340,10 @@ def print_parts(path, as_json):
 
 def summary(row, system):
     """Two lines of --plan: the layout and its prediction, then the sbatch line."""
-    flags = " ".join(row["flags"][2:])
+    flags = " ".join(_flags(row))
     exposed_ms = 1e3 * row["time_breakdown_s"]["exposed_communication"]
-    return (f"tp={row['tp']} cp={row['cp']} dp={row['dp']}{' ' + flags if flags else ''}: "
-            f"{row['samples_per_sec']:.1f} samples/s, MFU {100 * row['mfu']:.1f}%, "
+    return (f"tp={row['tp']} {cp_name(row)} dp={row['dp']}{' ' + flags if flags else ''}: "
+            f"{speed(row['samples_per_sec'])} samples/s, MFU {100 * row['mfu']:.1f}%, "
             f"{row['memory_after_forward_gb']:.1f} GB after the forward (peak {row['peak_memory_gb']:.1f} of "
             f"{system.memory_gib:g}), exposed communication {exposed_ms:.0f} of {1e3 * row['step_time_s']:.0f} ms "
             f"a step\n      {row['sbatch']}")
@@ -320,11 +370,14 @@ def main(argv=None):
         return print_parts(args.parts, args.json)
     check_numbers(args)
     shape, global_batch, amp_mode = read_config(args)
-    system = SYSTEMS[args.gpu]
     tp, cp = args.tensor_parallel or 1, args.context_parallel or 1
     gpus = args.gpus if args.gpus is not None else tp * cp
-    if gpus < 1 or (gpus > 4 and gpus % 4):
-        raise UserError(f"--gpus {gpus}: give 1 to 4 GPUs or whole nodes of 4 (submit_pm_mp.sh runs 4 ranks a node)")
+    if args.methods:
+        for name in [args.gpu] if args.gpu else METHOD_SYSTEMS:
+            check_gpus(gpus, SYSTEMS[name])
+        return methods_report(shape, global_batch, amp_mode, gpus, args)
+    system = SYSTEMS[args.gpu or DEFAULT_GPU]
+    check_gpus(gpus, system)
     header = (f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
               f"{shape.tokens} tokens, {parameters_per_rank(shape) / 1e6:.1f} M parameters, "
               f"{flops_per_sample(shape) / 1e12:.2f} TFLOP per sample (forward + backward); global batch "
@@ -343,16 +396,115 @@ def main(argv=None):
             result["measured"] = measure(rows[:args.measure], gpus, args)
     else:
         layout = Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=args.sequence_parallel,
-                                  checkpointing=args.activation_checkpointing, fsdp=args.fsdp)
+                                  checkpointing=args.activation_checkpointing, fsdp=args.fsdp,
+                                  cp_method=args.cp_method or DEFAULT_CP_METHOD)
         problem = refusal(shape, layout, global_batch)
         if problem:
             raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
         result = predict(shape, system, layout, global_batch, amp_mode, args.overhead_gb)
-        result["sbatch"] = sbatch_line(args.config, layout, args.amp_mode)
+        result["sbatch"] = sbatch_line(args.config, layout, args.amp_mode, system.gpus_per_node)
         print(header)
         print(describe(result, system))
         if args.measure:
             result["measured"] = measure([result], gpus, args)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+def check_gpus(gpus, system):
+    """A job of `gpus` GPUs on `system`'s nodes: 1 up to a node, or whole nodes."""
+    per_node = system.gpus_per_node
+    if gpus < 1 or (gpus > per_node and gpus % per_node):
+        script = " (submit_pm_mp.sh runs 4 ranks a node)" if per_node == 4 else ""
+        raise UserError(f"--gpus {gpus}: give 1 to {per_node} GPUs or whole nodes of {per_node} on {system.name}"
+                        f"{script}")
+
+
+def _short(row):
+    """A layout in a table cell: 'tp1 cp4 dp4 ac fsdp'."""
+    flags = {"--sequence_parallel": "sp", "--activation_checkpointing": "ac", "--fsdp": "fsdp"}
+    return " ".join([f"tp{row['tp']} cp{row['cp']} dp{row['dp']}"] + [flags[flag] for flag in row["flags"]
+                                                                       if flag in flags])
+
+
+def method_sweep(shape, image, global_batch, amp_mode, gpus, system, args):
+    """Over the patch sizes of SWEEP_PATCHES that divide `image` (height, width): the fastest layout that fits
+    without cp and with each cp method (None: none fits), and where each method starts to pay: the shortest length
+    from which, at every length where it fits, its fastest layout is faster than the fastest without cp (or fits
+    where none without cp does)."""
+    rows = []
+    height, width = image
+    for patch in SWEEP_PATCHES:
+        if height % patch or width % patch:
+            continue
+        at = dataclasses.replace(shape, patch_size=patch, tokens=(height // patch) * (width // patch))
+        try:
+            found = plan(at, system, gpus, global_batch, amp_mode, args)
+        except UserError:
+            continue  # no layout of these sizes divides this sequence
+        best = {"none": next((row for row in found if row["cp"] == 1), None)}
+        pays = {}
+        for method in CP_METHODS:
+            best[method] = next((row for row in found if row["cp"] > 1 and row["cp_method"] == method), None)
+            if best[method] is not None:  # where it fits: faster than without cp, or nothing without cp fits
+                pays[method] = best["none"] is None or \
+                    best[method]["samples_per_sec"] > best["none"]["samples_per_sec"]
+        rows.append({"patch": patch, "tokens": at.tokens, "attention_over_dense": attention_over_dense(at),
+                     "best": best, "pays": pays})
+    starts = {}
+    for method in CP_METHODS:
+        starts[method] = None
+        for row in reversed(rows):  # from the longest: back while it pays where it fits
+            if row["pays"].get(method) is False:
+                break
+            if row["pays"].get(method):
+                starts[method] = row["tokens"]
+    return {"rows": rows, "starts_to_pay": starts}
+
+
+def _cell(row):
+    return "nothing fits" if row is None else f"{speed(row['samples_per_sec'])} ({_short(row)})"
+
+
+def methods_report(shape, global_batch, amp_mode, gpus, args):
+    """`--methods`: for each system, the fastest layouts at the config's own length with their cp method, the ring's
+    overlap condition on its links, and the sweep over sequence lengths (method_sweep) with where each method starts
+    to pay. Predictions."""
+    params = YParams(args.yaml_config, args.config)
+    image = tuple(params.img_size)
+    names = [args.gpu] if args.gpu else list(METHOD_SYSTEMS)
+    print(f"ViT config {args.config}: embed {shape.embed_dim}, depth {shape.depth}, {shape.num_heads} heads, "
+          f"{shape.tokens:,} tokens, {parameters_per_rank(shape) / 1e6:,.0f} M parameters; global batch "
+          f"{global_batch}, amp {amp_mode}, {gpus} GPUs. The three cp methods, predicted (planning/perf_model.py):")
+    found = {}
+    for name in names:
+        system = SYSTEMS[name]
+        rows = plan(shape, system, gpus, global_batch, amp_mode, args)
+        print(f"\n{gpus} x {name} ({system.gpus_per_node} a node: NVLink {system.nvlink_pair / 1e9:g} GB/s a GPU "
+              f"pair, network {system.nic_bytes_per_s / 1e9:g} GB/s a GPU), the fastest layouts at "
+              f"{shape.tokens:,} tokens:")
+        for rank, row in enumerate(rows[:args.top], start=1):
+            print(f"{rank:2d}. " + summary(row, system))
+        inside = ring_steps(shape, system, Layout(cp=2), 1, amp_mode)
+        across = ring_steps(shape, system, Layout(cp=2 * system.gpus_per_node), 1, amp_mode)
+        print(f"ring: a block hides its K/V transfer from {inside['min_block_tokens']['forward']:,.0f} tokens inside "
+              f"a node (NVLink) and from {across['min_block_tokens']['forward']:,.0f} across nodes (the network); "
+              f"Liu et al.'s F/B on these links: {inside['min_block_tokens']['liu']:,.0f} and "
+              f"{across['min_block_tokens']['liu']:,.0f}")
+        sweep = method_sweep(shape, image, global_batch, amp_mode, gpus, system, args)
+        print("| tokens (patch) | attention / dense | no cp | " + " | ".join(METHOD_NAMES[m] for m in CP_METHODS)
+              + " |")
+        print("|---|---|---|" + "---|" * len(CP_METHODS))
+        for row in sweep["rows"]:
+            cells = " | ".join(_cell(row["best"][key]) for key in ("none", *CP_METHODS))
+            print(f"| {row['tokens']:,} ({row['patch']}) | {row['attention_over_dense']:.2f} | {cells} |")
+        starts = [f"{METHOD_NAMES[m]} at {sweep['starts_to_pay'][m]:,} tokens" if sweep["starts_to_pay"][m] else
+                  f"{METHOD_NAMES[m]} not up to {sweep['rows'][-1]['tokens']:,}" for m in CP_METHODS]
+        print(f"samples/s of the fastest layout that fits; cp starts to pay (its fastest layout beats the fastest "
+              f"without cp, or fits where none does): {', '.join(starts)}.")
+        found[name] = {"layouts": rows, "ring": {"inside_node": inside, "across_nodes": across}, **sweep}
+    result = {"gpus": gpus, "config": args.config, "systems": found}
     if args.json:
         print(json.dumps(result))
     return result
