@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-band-read bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-band-read bench-wfm-methods bench-cp-memory bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -134,6 +134,15 @@ stress-exit: install install-compat
 # 1 GB of 721 x 1440 sample data first if data/era5_721x1440 has none; about a minute)
 bench-band-read: install
 	$(PY) -m benchmarks.bench_band_read --data_dir data/era5_721x1440 --repeats 9 --out bench_results/band_read.json
+
+# wfm_tiny one epoch serially and with each --cp_method at cp=4 on CPU ranks: validation loss, weights against serial
+bench-wfm-methods: install
+	$(PY) -m benchmarks.bench_wfm_methods --data_dir data/era5_wfm_tiny --out bench_results/wfm_methods.json
+
+# a rank of wfm_1b_p4 under each --cp_method, cp 4-16, tp 1-4: the planner's memory, and dry runs of some layouts at
+# depth 1 and 2 (extrapolated to 18; about 40 minutes on 2 cores)
+bench-cp-memory: install
+	$(PY) -m benchmarks.bench_cp_memory --measure --out bench_results/cp_memory.json
 
 bench-loader-cosmo: install
 	$(PY) -m benchmarks.bench_loader --dataset cosmo --data_dir data/cosmo_128 --repeats 5 --out bench_results/loader_cosmo.json

@@ -62,6 +62,9 @@ class ViTShape:
     # context-parallel comparison, a causal model, is read with it on (cp_comparison): the kernels skip the masked
     # half of the scores, and contiguous cp chunks then give the last rank the most work
     causal: bool = False
+    # patches in a row of the image (w): a cp rank embeds only the band of patch rows holding its tokens
+    # (distributed/bands.py); None: not known, the whole image counted
+    patch_columns: int = None
 
     @classmethod
     def from_params(cls, params):
@@ -70,7 +73,16 @@ class ViTShape:
         return cls(embed_dim=params.embed_dim, depth=params.depth, num_heads=params.num_heads,
                    tokens=(height // patch) * (width // patch), in_channels=params.n_in_channels,
                    out_channels=params.n_out_channels, patch_size=patch,
-                   hidden=mlp_hidden(params))
+                   hidden=mlp_hidden(params), patch_columns=width // patch)
+
+
+def band_tokens(shape, cp):
+    """The tokens of rank 0's band of patch rows, the image it reads and embeds under cp (distributed/bands.py): its
+    chunk of tokens rounded up to whole rows; every token at cp = 1 or where the shape does not know its rows."""
+    if cp == 1 or not shape.patch_columns:
+        return shape.tokens
+    columns = shape.patch_columns
+    return min(shape.tokens, -(-_chunk(shape.tokens, cp) // columns) * columns)
 
 
 def flops_per_sample(shape):
@@ -162,7 +174,7 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
     t_s = _chunk(t_c, tp) if sequence_parallel and tp > 1 else t_c
     method = cp_method_of(layout)
     distributed = tp * cp > 1
-    image = shape.in_channels * shape.tokens * shape.patch_size ** 2
+    image = shape.in_channels * band_tokens(shape, cp) * shape.patch_size ** 2  # the input: this rank's band
     lse = 4 * (heads // (tp * cp)) * t if method == "alltoall" else 4 * (heads // tp) * t_c  # log-sum-exp (fp32)
     stats = 2 * 8 * t_s + lse  # LayerNorm mean/rstd (fp32) and attention's log-sum-exp
     qkv = t_c * d // tp + kv_values(shape, layout)  # values of q, k and v
@@ -512,8 +524,10 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     if layout.fsdp and dp > 1:
         root = _tensor_shapes(shape, tp, tp * cp > 1)[-6:]
         found["gathered_root"] = (2 if half else 4) * sum(numel for _, numel in root)
-    image_values = shape.in_channels * shape.tokens * shape.patch_size ** 2
-    found["input_batch"] = 4 * batch * image_values * (shape.in_channels + shape.out_channels) // shape.in_channels
+    # the input (this rank's band under cp) and the target (its band gathered over cp: the whole field)
+    patch_values = batch * shape.patch_size ** 2
+    found["input_batch"] = 4 * patch_values * (shape.in_channels * band_tokens(shape, layout.cp) +
+                                               shape.out_channels * shape.tokens)
     found["saved_activations"] = saved_activation_bytes(shape, batch, half, layout)
     found["after_forward"] = sum(found.values())
     found["gradients"] = states["gradients"]
