@@ -137,6 +137,7 @@ def main(argv=None):
                 row["measured"] = old[(tp, cp, method)]["measured"]
             rows.append(row)
             write_json(args.out, {"config": CONFIG, "local_batch_size": 1, "amp_mode": "none", "rows": rows})
+    write_json(args.out, {"config": CONFIG, "local_batch_size": 1, "amp_mode": "none", "rows": rows})
     print(markdown(rows))
     print(f"wrote {args.out}")
     return 0
