@@ -19,6 +19,7 @@
 #   sbatch submit_pm.sh --config=short                                    # 1 GPU
 #   sbatch -q regular -n 4 submit_pm.sh --config=short                    # 4 GPUs: a whole node
 #   sbatch -A ntrain4_g --reservation=dlscale_training_1 submit_pm.sh ... # sbatch options override the #SBATCH lines
+# Four GPUs always with -q regular, SC21's -n 4 lines too (the shared QOS may take half a node: docs/cluster.md).
 # No --ntasks-per-node (as the 2024 original): with `--ntasks-per-node 1`, Slurm would spread -n 4 over 4 nodes,
 # which the shared QOS refuses. More than one node (-N 2, -n 8) is refused by the shared QOS at submission; with
 # another QOS (-q regular) the job stops in one line naming the submit_pm_dp.sh command (4 ranks a node).
