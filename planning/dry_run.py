@@ -120,7 +120,8 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
               "config": params.config_name, "local_batch_size": params.local_batch_size, "amp_mode": params.amp_mode,
               "device": str(device), **memory, "peak_memory_gb": peak_gb, "peak_memory_is": peak_is,
               "step_time_s": statistics.median(seconds) if seconds else None,
-              "step_time_is": "compute only: the collectives move nothing" if seconds else "not timed (--dry_run_steps 0)",
+              "step_time_is": ("compute only: the collectives move nothing" if seconds
+                               else "not timed (--dry_run_steps 0)"),
               "predicted": predicted(params, layout, device, ddp=not run.args.noddp)}
     finish_run(run)
     print(table(result))
