@@ -15,7 +15,8 @@ def train_flops_per_sample(build_model, params, sample_shape):
     (the model FLOPs of MFU), also on a rank of a tp x cp layout, which does its 1/(tp x cp) share of them. No
     collective runs (torch 2.5 has no meta kernels for them)."""
     batch = 2  # BatchNorm in training mode refuses a single value per channel (1x1 maps at batch 1)
-    if params.get("read_rows"):  # a cp rank's loader reads a band of rows (distributed/bands.py): FLOPs are the field's
+    # a cp rank's loader reads a band of rows (distributed/bands.py); the FLOPs are the whole field's
+    if params is not None and params.get("read_rows"):
         sample_shape = (*sample_shape[:-2], *params.img_size)
     with torch.device("meta"):
         model = build_model(params)  # serial: the recipe (distributed/parallelize.py) splits a model afterwards

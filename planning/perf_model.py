@@ -224,7 +224,8 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
     then moves per rank is (n-1)/n of it, twice for an all-reduce; padded chunks count padded, as the collectives
     pad them) and when it runs: "activations" (forward and backward, on the critical path), "gradients" (DDP's
     comm hook, overlapped with the backward pass), "weights" (FSDP's gathers and scatters, overlapped with the
-    forward and backward), "step" (the sums on FSDP's gradient shards, before the optimizer step).
+    forward and backward), "step" (the sums on FSDP's gradient shards, before the optimizer step), "targets" (the
+    targets' bands gathered over cp before the step, on the critical path).
 
     `activation_bytes` is the size of one activation or activation-gradient value; with `half` (16-bit autocast)
     the row-parallel exits' outputs and their gradients are 16-bit (the matmul's output; the bias is added after the
@@ -235,9 +236,11 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
     Blocks (checkpointing repeats the forward's collectives up to fc1 in the backward pass): tp without sp
     all-reduces the row-parallel outputs forward and the column-parallel inputs' gradients backward; with sp these
     become all-gathers and reduce-scatters of the same tensors. cp all-gathers keys and values forward and
-    reduce-scatters their gradients backward. Outside the blocks the token splits of cp and sp are all-gathered.
-    Gradients, in DDP's hook or before FSDP's step: the cp sums of every block weight and the final norm, the tp sums
-    (or averages) of the norms and row-parallel biases, the tp-cp averages of the embeddings, final norm and head;
+    reduce-scatters their gradients backward. Outside the blocks the tokens split over cp and sp are all-gathered
+    before the head (a cp rank embeds only its band of the image: no split there), and the targets' bands over cp
+    before the step ("targets"). Gradients, in DDP's hook or before FSDP's step: the cp sums of every block weight,
+    the embeddings and the final norm, the tp sums (or averages) of the norms and row-parallel biases, the tp-cp
+    averages of the embeddings, final norm and head;
     then DDP all-reduces everything over dp, or FSDP all-gathers each block twice (forward, backward) and the root
     once (in the autocast dtype with `half`: its mixed-precision policy), and reduce-scatters the gradients (fp32).
     """
@@ -288,8 +291,11 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
             heads_share = t * d // (tp * cp)  # values of one tensor on heads / cp heads over every token
             add("cp", "all_to_all", depth * act * (2 + again) * 3 * t_c * d // tp)  # q, k, v and their gradients
             add("cp", "all_to_all", depth * out_act * (2 + again) * heads_share)  # the output and its gradient
-        # the token split after the embedding (its backward) and the join before the head (forward)
-        add("cp", "all_gather", 2 * act * cp * t_c * d)
+        # the join before the head (forward; its backward keeps this rank's part). The split after the embedding
+        # moves nothing: a rank embeds its own band of the image (distributed/bands.py)
+        add("cp", "all_gather", act * cp * t_c * d)
+        # the target's bands, gathered before the step (train_mp.py's to_device: Band.whole), fp32
+        add("cp", "all_gather", 4 * batch * cp * t_c * shape.out_channels * shape.patch_size ** 2, "targets")
     tensors = _tensor_shapes(shape, tp, tp * cp > 1)
     per_block = len(tensors[:-6]) // depth
     block, root = tensors[:per_block], tensors[-6:]
@@ -302,7 +308,8 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
         if tp > 1:
             add("tp", "all_reduce", 4 * depth * held([block[7], block[11]] + block[12:]), when)  # row biases, norms
         if cp > 1:
-            add("cp", "all_reduce", 4 * (depth * held(block) + held(root[3:5])), when)  # block weights, final norm
+            # block weights, the embeddings (each rank embeds its band) and the final norm
+            add("cp", "all_reduce", 4 * (depth * held(block) + held(root[0:5])), when)
         add("tp-cp", "all_reduce", 4 * held(root), when)
     if dp > 1 and fsdp:
         padded_block = dp * held(block)
@@ -588,14 +595,15 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     compute_s = matmul_s + softmax_s + memory_s
     backward_s = compute_s * (3 / 4 if layout.checkpointing else 2 / 3)  # the backward pass (with its recomputation)
     spans = group_spans_nodes(layout, system.gpus_per_node)
-    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0, "ring": 0.0}
+    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0, "ring": 0.0, "targets": 0.0}
     collectives = collectives_per_step(shape, batch, layout, half=half)
     for group, op, nbytes, when in collectives:
         bandwidth = system.nic_bytes_per_s if spans[group] else system.nvlink_pair
         comm_s[when] += collective_seconds(op, nbytes, _group_size(layout, group), bandwidth)
     ring = ring_steps(shape, system, layout, batch, amp_mode) if cp_method_of(layout) == "ring" else None
-    exposed_s = comm_s["activations"] + comm_s["step"] + max(0.0, comm_s["gradients"] - backward_s) + \
-        max(0.0, comm_s["weights"] - compute_s) + (ring["exposed_s"] if ring else 0.0)
+    exposed_s = comm_s["activations"] + comm_s["targets"] + comm_s["step"] + \
+        max(0.0, comm_s["gradients"] - backward_s) + max(0.0, comm_s["weights"] - compute_s) + \
+        (ring["exposed_s"] if ring else 0.0)
     step_s = compute_s + exposed_s
     samples_per_sec = global_batch / step_s
     memory = memory_bytes(shape, layout, batch, half)

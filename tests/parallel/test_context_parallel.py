@@ -125,6 +125,7 @@ def test_each_method_matches_the_serial_attention_at_cp2_and_its_twins_do_not():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long  # cp=2 with every twin stays in make test
 def test_each_method_matches_at_cp4_tp2_x_cp2_and_cp2_x_dp2_and_its_twins_do_not():
     """On 4 ranks: cp=4 with 10 tokens ([3, 3, 3, 1]: the ring's blocks of three lengths, the all-to-all's split
     sizes uneven), tp=2 x cp=2 (the heads split over tp, then over cp by the all-to-all), cp=2 x dp=2."""

@@ -210,6 +210,7 @@ def _dtensor_cross_check(rank, world, port, results):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long  # the layers against the serial ones stay in make test; this cross-check with DTensor is extra
 def test_mappings_and_tp_mlp_agree_with_dtensor():
     results = mp.Manager().dict()
     mp.spawn(_dtensor_cross_check, args=(2, free_port(), results), nprocs=2)
