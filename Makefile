@@ -140,7 +140,7 @@ bench-wfm-methods: install
 	$(PY) -m benchmarks.bench_wfm_methods --data_dir data/era5_wfm_tiny --out bench_results/wfm_methods.json
 
 # a rank of wfm_1b_p4 under each --cp_method, cp 4-16, tp 1-4: the planner's memory, and dry runs of some layouts at
-# depth 1 and 2 (extrapolated to 18; about 40 minutes on 2 cores)
+# depth 1 and 2 (extrapolated to 18; about 30 minutes on 2 cores)
 bench-cp-memory: install
 	$(PY) -m benchmarks.bench_cp_memory --measure --out bench_results/cp_memory.json
 

@@ -33,7 +33,7 @@ from utils.YParams import YParams
 CONFIG = "wfm_1b_p4"
 LAYOUTS = [(tp, cp) for tp in (1, 2, 4) for cp in (4, 8, 16)]
 METHODS = ("allgather", "ring", "alltoall")
-# measured here (2 CPU cores: about 25 minutes): allgather and ring at two cp, all-to-all at two cp of the same tp
+# measured here (2 CPU cores: about 30 minutes): allgather and ring at two cp, all-to-all at two cp of the same tp
 MEASURED = [(4, 8, "allgather"), (4, 16, "allgather"), (4, 8, "ring"), (4, 16, "ring"), (2, 4, "alltoall"),
             (2, 8, "alltoall")]
 KINDS = ("parameters", "gradients", "optimizer_state", "saved_activations")

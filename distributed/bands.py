@@ -18,7 +18,8 @@ import torch
 
 from distributed.helpers import compute_split_shapes
 from distributed.mappings import gather_from_parallel_region
-from utils.layout import Axis
+from utils.errors import UserError
+from utils.layout import Axis, Layout
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Band:
     def of(cls, img_size, patch, cp):
         """The band of rank `cp.rank` for images of `img_size` (H, W) cut into `patch` x `patch` patches."""
         h, w = img_size[0] // patch, img_size[1] // patch
+        too_short = Layout(cp=cp.size).refusal(tokens=h * w)  # the layout's rule, before any loader reads a band
+        if too_short:
+            raise UserError(too_short)
         return cls(h, w, patch, tuple(compute_split_shapes(h * w, cp.size)), cp)
 
     @classmethod
@@ -68,8 +72,8 @@ class Band:
         if x.shape[-2] == y1 - y0:
             return x
         if x.shape[-2] != self.h * self.patch:
-            raise ValueError(f"an input of {x.shape[-2]} rows is neither the field ({self.h * self.patch} rows) nor "
-                             f"this cp rank's band ({y1 - y0} rows)")
+            raise UserError(f"an input of {x.shape[-2]} rows is neither the field ({self.h * self.patch} rows: "
+                            f"img_size) nor this cp rank's band ({y1 - y0} rows); crop the input to img_size")
         return x[..., y0:y1, :]
 
     def own(self, tokens):
