@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from benchmarks.common import machine
-from planning import perf_model
+from planning import dry_run, perf_model
 from planning.dry_run import CPU_DRY_RUN_FLAGS, dry_run_in_own_process
 from utils.atomic import write_json
 from utils.errors import ArgumentParser
@@ -51,12 +51,12 @@ def layouts():
 
 
 def predicted(tp, cp, method):
-    """The performance model's bytes of rank 0 of a tp x cp layout (dp 1) at local batch 1 in fp32."""
+    """The performance model's bytes of rank 0 of a tp x cp layout (dp 1) at local batch 1 in fp32: what a CPU dry
+    run prints beside its measurement (planning/dry_run.predicted)."""
     params = YParams(os.path.join("config", "ViT.yaml"), CONFIG)
-    shape = perf_model.ViTShape.from_params(params)
-    memory = perf_model.memory_bytes(shape, Layout(tp=tp, cp=cp, cp_method=method), 1, False)
-    found = {"parameters": memory["weights"], "gradients": memory["gradients"],
-             "optimizer_state": memory["optimizer_state"], "saved_activations": memory["saved_activations"]}
+    params.update({"local_batch_size": 1, "amp_enabled": False})
+    found = dry_run.predicted(params, Layout(tp=tp, cp=cp, cp_method=method), torch.device("cpu"))
+    found = {kind: found[kind] for kind in KINDS}
     return {**found, "total_gb": sum(found.values()) / perf_model.GIB}
 
 
