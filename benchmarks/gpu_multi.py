@@ -17,7 +17,8 @@ is written after each, so a part cut short keeps what it measured:
                   points after 10 steps, over the tolerance of the CPU tests (|a - b| <= 1e-5 + 1e-4 |b|; GPUs with
                   TF32 off, NVIDIA_TF32_OVERRIDE=0)
   data_parallel   the data-parallel lesson's runs: train.py `bs64_opt_short` at local batch 16 (`demo` at 8 on CPUs)
-                  with --enable_benchy on 1, 2, 4, ... N ranks (`--run_num weak<n>`): samples/s, peak memory and the
+                  with --enable_benchy on 1, 2, 4, ... N ranks (`--run_num weak<n>`): samples/s (on CPU ranks the
+                  median of 3 trials, with their range: ranks sharing cores are noisy), peak memory and the
                   weak-scaling efficiency; then the learning-rate step: the same epochs on 1 rank, and on N ranks
                   with the learning rate kept and with it scaled by sqrt(N), each run's validation loss per epoch
   dp_profile      torch.profiler traces of DDP on N ranks (`--torch_profile`) at --bucket_cap_mb 25 and 5, rank 0's
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -70,7 +72,7 @@ MODES = {
     "cpu": {"dp": [*VIT, "--config", "demo", "--local_batch_size", "8", "--num_data_workers", "0"],
             "mp": [*VIT, "--config", "demo", "--local_batch_size", "2", "--num_data_workers", "0"],
             "lr": ("demo", 8, 4),
-            "benchy": ["--benchy_nbatches", "6", "--benchy_ntrials", "1", "--benchy_nwarmup", "1"],
+            "benchy": ["--benchy_nbatches", "6", "--benchy_ntrials", "3", "--benchy_nwarmup", "1"],
             "dry_run": ["--local_batch_size", "1", "--amp_mode", "none"], "collective_scale": 0.05, "budget": 3600},
     "tiny": {"dp": [*VIT, "--config", "tiny", "--local_batch_size", "2", "--num_data_workers", "0"],
              "mp": [*VIT, "--config", "tiny", "--local_batch_size", "2", "--num_data_workers", "0"],
@@ -249,10 +251,16 @@ def difference(got, reference):
 
 
 def benchy(path):
+    """The median of each benchmark's trials (their spread beside it: CPU ranks sharing cores are noisy, and one
+    trial's figure can invert an order), and rank 0's peak memory."""
     with open(path) as f:
         found = json.load(f)
-    return {"samples_per_s": found["FULL"]["mean"], "step_alone_samples_per_s": found["SYNTHETIC"]["mean"],
-            "loader_alone_samples_per_s": found["IO"]["mean"], "peak_memory_gb": found["peak_memory_gb"]}
+    full, step = found["FULL"]["trial_throughputs"], found["SYNTHETIC"]["trial_throughputs"]
+    return {"samples_per_s": statistics.median(full), "trials": len(full),
+            "samples_per_s_range": [min(full), max(full)], "step_alone_samples_per_s": statistics.median(step),
+            "step_alone_samples_per_s_range": [min(step), max(step)],
+            "loader_alone_samples_per_s": statistics.median(found["IO"]["trial_throughputs"]),
+            "peak_memory_gb": found["peak_memory_gb"]}
 
 
 def flag_value(flags, name):

@@ -85,6 +85,9 @@ def said_session(session):
     def diff(name):
         return f"{checks[name]['max_weight_difference']:.1e}"
 
+    def spread(row):
+        return "-".join(f"{value:.1f}" for value in row["samples_per_s_range"])
+
     return {
         "one-process-per-gpu": [f"both processes had exited {parts['failure']['error']['seconds_to_last_exit']:.2f} s "
                                 "later"],
@@ -98,15 +101,20 @@ def said_session(session):
             f"{scaled['lr']:g}) "
             f"took the validation loss after {epochs} epochs from {loss(kept)} to {loss(scaled)}"],
         "throughput-against-convergence": [
-            f"4 ranks ran at {weak[4]['samples_per_s']:.1f} samples/s against one rank's "
-            f"{weak[1]['samples_per_s']:.1f}, "
+            f"{session['date']}: 4 ranks share 2 cores",
+            f"4 ranks ran at {weak[4]['samples_per_s']:.1f} samples/s ({spread(weak[4])}, the median and range of "
+            f"{weak[4]['trials']} trials) against one rank's {weak[1]['samples_per_s']:.1f} ({spread(weak[1])}), at "
+            f"global batch {kept['global_batch_size']} against {one['global_batch_size']}",
             f"while in the same {epochs} epochs they reached a validation loss of {loss(scaled)} (the rate scaled by "
             f"sqrt(4)) against one rank's {loss(one)}"],
         "where-the-gradients-are-synced": [
-            f"{b25['ms_per_step']['communication']:.2f} ms of a {b25['step_ms']:.1f} ms step at 25 MB buckets"],
+            f"{b25['ms_per_step']['communication']:.2f} ms of a {b25['step_ms']:.1f} ms step at 25 MB buckets "
+            f"({session['date']})"],
         "smaller-buckets": [
             f"{b5['ms_per_step']['communication']:.2f} ms of a {b5['step_ms']:.1f} ms step at 5 MB against "
-            f"{b25['ms_per_step']['communication']:.2f} of {b25['step_ms']:.1f} at 25 MB",
+            f"{b25['ms_per_step']['communication']:.2f} of {b25['step_ms']:.1f} at 25 MB (the steps' "
+            f"{abs(b5['step_ms'] - b25['step_ms']):.0f} ms gap is within the shared cores' noise: their GEMMs, which "
+            f"buckets do not change, took {b5['ms_per_step']['gemm']:.0f} and {b25['ms_per_step']['gemm']:.0f} ms)",
             f"({m25['bytes'] / 1e6:.1f} MB) took {1e3 * m25['seconds']:.1f} ms, one of a 5 MB bucket "
             f"({m5['bytes'] / 1e6:.2f} MB) {1e3 * m5['seconds']:.1f} ms"],
         "what-caps-batch-and-learning-rate-scaling": [

@@ -11,9 +11,13 @@ parser and compared flag by flag:
   parser's default), or say where the run wrote and read (WHERE), or be one the block's rows name (SOURCES);
 - the script and the number of processes must be the run's.
 
+A table of figures gathered from several runs (the medians of the multi-GPU session's trials) is not an output: the
+paragraph that introduces it names the command in inline code (`` `$ torchrun ...` ``), which is checked against the
+runs' the same way.
+
 For the single-run blocks each quoted line must also be in the run's log. A failure names the block and the flag:
 fix the command shown above the output (or the output, by running the shown command again). Twins: README's old DDP
-command (local batch 2, no `--enable_benchy`) and a block without its command are caught.
+command (local batch 2, no `--enable_benchy`), a block without its command and a table without its command are caught.
 """
 import json
 import os
@@ -36,9 +40,9 @@ SOURCES = {
                                                ()),
     "Time taken for epoch 1 is 6.030631 sec": (["example_logs/gpu_runs.json#vit-short-bf16"],
                                                "example_logs/vit/short/1GPU/nw8_bf16/out.log", ()),
-    "1 rank:  BENCHY::SUMMARY::FULL": ([f"{SESSION_LOGS}/dp_weak{n}.log" for n in (1, 2, 4)], None, ()),
-    "tp=1 (dp=4): FULL": ([f"{SESSION_LOGS}/mp_tp{tp}cp{cp}.log" for tp, cp in ((1, 1), (1, 4), (2, 2))], None,
-                          ("--parallel_order",)),
+    "| 1 rank (global batch 8) |": ([f"{SESSION_LOGS}/dp_weak{n}.log" for n in (1, 2, 4)], None, ()),  # a table
+    "| tp=1 (dp=4) |": ([f"{SESSION_LOGS}/mp_tp{tp}cp{cp}.log" for tp, cp in ((1, 1), (1, 4), (2, 2))], None,
+                        ("--parallel_order",)),  # a table
     "Time taken for epoch 1 is 33.895035 sec": (["example_logs/gpu_runs.json#unet-short"],
                                                 "example_logs/unet/short/1GPU/baseline/out.log", ()),
 }
@@ -62,6 +66,30 @@ def output_blocks(text):
         if isinstance(current, list):
             current.append(line)
     return [(number, lines) for number, lines in blocks if isinstance(lines, list)]
+
+
+def table_blocks(text):
+    """[(line number, [lines])] of every markdown table, its first line the `$ ...` command in inline code of the
+    paragraph that introduces it (or that paragraph's last line, when it names none), then the table's rows."""
+    lines, blocks, number = text.splitlines(), [], 0
+    while number < len(lines):
+        if not lines[number].startswith("|"):
+            number += 1
+            continue
+        end = number
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        above = number - 1
+        while above >= 0 and not lines[above].strip():
+            above -= 1
+        start = above
+        while start > 0 and lines[start - 1].strip() and not lines[start - 1].startswith(("|", "```", "#")):
+            start -= 1
+        paragraph = " ".join(" ".join(lines[start:above + 1]).split())
+        commands = re.findall(r"`\$ ([^`]+)`", paragraph)
+        blocks.append((number + 1, [f"$ {commands[-1]}" if commands else paragraph, *lines[number:end]]))
+        number = end
+    return blocks
 
 
 def shown_command(lines):
@@ -163,18 +191,22 @@ def quoted_lines(lines):
 
 def block_problems(text, monkeypatch):
     """Every output block without its command, and every shown command that is not its run's."""
-    problems, blocks = [], output_blocks(text)
+    problems, blocks, tables = [], output_blocks(text), table_blocks(text)
     for number, lines in blocks:
         if shown_command(lines) is None:
             problems.append(f"README.md:{number}: the output block does not start with its command (`$ ...`)")
     for key, (sources, log, named) in SOURCES.items():
-        block = next(((number, lines) for number, lines in blocks if any(key in line for line in lines)), None)
+        block = next(((number, lines) for number, lines in blocks + tables if any(key in line for line in lines)),
+                     None)
         if block is None:
-            problems.append(f"no output block of README shows {key!r} (SOURCES is stale)")
+            problems.append(f"no output block or table of README shows {key!r} (SOURCES is stale)")
             continue
         number, lines = block
         shown = shown_command(lines)
         if shown is None:
+            if block in tables:
+                problems.append(f"README.md:{number}: the paragraph above the table does not name its command "
+                                f"(`$ ...` in inline code)")
             continue
         for source in sources:
             problems += [f"README.md:{number} against {source}: {difference}"
@@ -192,15 +224,20 @@ def test_every_output_block_names_the_command_its_run_recorded(monkeypatch, caps
     assert problems == [], "\n".join(problems)
 
 
-def test_twin_the_old_ddp_command_and_a_block_without_its_command_are_caught(monkeypatch, capsys):
+def test_twin_the_old_ddp_command_and_a_block_or_table_without_its_command_are_caught(monkeypatch, capsys):
     text = open(README).read()
-    shown = next(shown_command(lines) for _, lines in output_blocks(text) if "1 rank:  BENCHY" in "\n".join(lines))
+    shown = next(shown_command(lines) for _, lines in table_blocks(text)
+                 if "| 1 rank (global batch 8) |" in "\n".join(lines))
     old = text.replace(f"$ {shown}", "$ torchrun --nproc_per_node N train.py --config demo --data_dir data/era5 "
                                      "--local_batch_size 2")
     found = block_problems(old, monkeypatch)
     capsys.readouterr()
     assert {line.split(": ")[1] for line in found} >= {"--local_batch_size", "--enable_benchy", "--benchy_nbatches"}
     assert all("dp_weak" in line for line in found), found
-    bare = text.replace(f"$ {shown}\n", "", 1)
+    untold = text.replace(f"`$ {shown}`", "the command above", 1)
+    assert [line for line in block_problems(untold, monkeypatch) if "does not name its command" in line]
+    epoch = next(shown_command(lines) for _, lines in output_blocks(text)
+                 if "Time taken for epoch 1 is 5.365523 sec" in "\n".join(lines))
+    bare = text.replace(f"$ {epoch}\n", "", 1)
     assert [line for line in block_problems(bare, monkeypatch) if "does not start with its command" in line]
     capsys.readouterr()
