@@ -20,6 +20,12 @@ ring collectives on NVLink or the NIC as `--parallel_order` places each group, D
 backward pass; a table of systems (SYSTEMS) and one efficiency per kind of work (EFFICIENCY). planning/plan.py
 (`make plan`) is its command; docs/perf_model.md compares it with the published runs.
 
+With pipeline stages (layout.pp > 1, `predict_pipeline`) each stage is counted as a ViT of its own blocks
+(`stage_shapes`: the embeddings on the first, the final norm and head on the last; the cut of
+distributed/pipeline.balanced_layers): its FLOPs, parameters, memory with the microbatches it holds in flight, and
+time; the step is the slowest stage's stretched by the bubble (P - 1) / (M + P - 1), plus the transfers between
+stages and the tail after the last backward (tests/perf/test_perf_model_pp.py).
+
 Checked against the real model, the flop counter and the collectives on gloo in tests/perf/test_perf_model.py; the
 predictions against the published GPU runs and the planner's obvious truths in tests/perf/test_plan.py.
 """
@@ -65,6 +71,10 @@ class ViTShape:
     # patches in a row of the image (w): a cp rank embeds only the band of patch rows holding its tokens
     # (distributed/bands.py); None: not known, the whole image counted
     patch_columns: int = None
+    # a pipeline stage (planning.perf_model.stage_shapes): depth is its blocks; whether it holds the patch and
+    # position embeddings (the first stage) and the final norm and head (the last). The whole model holds both
+    holds_embedding: bool = True
+    holds_head: bool = True
 
     @classmethod
     def from_params(cls, params):
@@ -87,20 +97,39 @@ def band_tokens(shape, cp):
 
 def flops_per_sample(shape):
     """Forward + backward matmul FLOPs of one sample (the serial model's: what MFU counts)."""
-    d, t, depth, patch_values = shape.embed_dim, shape.tokens, shape.depth, shape.patch_size ** 2
+    d, t, depth = shape.embed_dim, shape.tokens, shape.depth
     linear = 2 * t * (4 * d * d + 2 * d * shape.hidden)  # q, k, v, proj, fc1, fc2: forward
     attention = 4 * t * t * d  # q k^T and (softmax) v, all heads: forward
     if shape.causal:
         attention //= 2  # the masked half is not computed
     blocks = depth * (3 * linear + 3 * attention)  # backward: twice the forward
-    embed = 2 * (2 * t * d * shape.in_channels * patch_values)  # forward + weight gradient (no input gradient)
-    head = 3 * (2 * t * d * shape.out_channels * patch_values)
-    return blocks + embed + head
+    return blocks + embed_flops_per_sample(shape) + head_flops_per_sample(shape)
+
+
+def embed_flops_per_sample(shape):
+    """The patch embedding's forward + weight-gradient FLOPs (no input gradient: the image needs none); 0 on a
+    pipeline stage without it."""
+    if not shape.holds_embedding:
+        return 0
+    return 2 * (2 * shape.tokens * shape.embed_dim * shape.in_channels * shape.patch_size ** 2)
+
+
+def head_flops_per_sample(shape):
+    """The head's forward + backward FLOPs; 0 on a pipeline stage without it."""
+    if not shape.holds_head:
+        return 0
+    return 3 * (2 * shape.tokens * shape.embed_dim * shape.out_channels * shape.patch_size ** 2)
 
 
 def _tensor_shapes(shape, tp, distributed=None):
     """[(first dimension, elements)] of every parameter a rank holds at tensor parallelism `tp` (before FSDP); the
     distributed layers (tp x cp > 1) store each linear bias as (1, 1, n)."""
+    embedding, head = _root_shapes(shape)
+    return _block_shapes(shape, tp, distributed) * shape.depth + embedding + head
+
+
+def _block_shapes(shape, tp, distributed=None):
+    """[(first dimension, elements)] of one block's parameters on a rank (see _tensor_shapes)."""
     d, hidden = shape.embed_dim, shape.hidden
     distributed = tp > 1 if distributed is None else distributed
 
@@ -112,11 +141,18 @@ def _tensor_shapes(shape, tp, distributed=None):
              + [(hidden // tp, d * hidden // tp), bias(hidden // tp)]  # fc1
              + [(d, hidden * d // tp), bias(d)]  # fc2
              + [(d, d)] * 4)  # norm1, norm2: weight and bias
-    patch_values = shape.patch_size ** 2
-    root = [(d, d * shape.in_channels * patch_values), (d, d),  # patch embedding (convolution) and its bias
-            (1, shape.tokens * d), (d, d), (d, d),  # position embedding, final norm
-            (shape.out_channels * patch_values, d * shape.out_channels * patch_values)]  # head, no bias
-    return block * shape.depth + root
+    return block
+
+
+def _root_shapes(shape):
+    """([(first dimension, elements)] of the root's tensors but the head: the patch embedding (convolution), its
+    bias, the position embedding, the final norm; [the head's weight]), each as far as `shape` holds them."""
+    d, patch_values = shape.embed_dim, shape.patch_size ** 2
+    embedding = [(d, d * shape.in_channels * patch_values), (d, d), (1, shape.tokens * d)] \
+        if shape.holds_embedding else []
+    norm = [(d, d), (d, d)] if shape.holds_head else []
+    head = [(shape.out_channels * patch_values, d * shape.out_channels * patch_values)] if shape.holds_head else []
+    return embedding + norm, head
 
 
 def _shard(rows, numel, dp):
@@ -194,8 +230,11 @@ def saved_activation_bytes(shape, batch, half=False, layout=SERIAL):
         block += (4 + 2) * t_c * hidden // tp if distributed else 2 * 2 * t_c * hidden  # fc1 out, GELU out
         weights = 2 * (4 * d * d + 2 * d * hidden) // tp
     patch_values = shape.patch_size ** 2
-    root = (2 if half else 4) * image + 4 * t_c * d + 8 * t_c + (2 if half else 4) * t * d
-    root_weights = 2 * d * (shape.in_channels + shape.out_channels) * patch_values if half else 0
+    # the first stage keeps the image; the last the final norm's input and statistics and the head's input
+    root = ((2 if half else 4) * image if shape.holds_embedding else 0) + \
+        (4 * t_c * d + 8 * t_c + (2 if half else 4) * t * d if shape.holds_head else 0)
+    root_weights = 2 * d * (shape.in_channels * shape.holds_embedding + shape.out_channels * shape.holds_head) * \
+        patch_values if half else 0
     return batch * (shape.depth * block + root) + shape.depth * weights + root_weights
 
 
@@ -270,7 +309,7 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
             add("tp", "reduce_scatter", depth * act * 2 * scattered)  # backward: the entries' adjoints
             add("tp", "all_gather", depth * out_act * 2 * gathered)  # the exits' adjoints
             # the token split before the blocks (its backward) and the join after them (forward)
-            add("tp", "all_gather", 2 * act * tp * t_s * d)
+            add("tp", "all_gather", (shape.holds_embedding + shape.holds_head) * act * tp * t_s * d)
         else:
             add("tp", "all_reduce", depth * out_act * (2 + again) * t_c * d)  # the exits (forward, recomputed)
             add("tp", "all_reduce", depth * act * 2 * t_c * d)  # backward: the entries' gradients
@@ -293,12 +332,12 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
             add("cp", "all_to_all", depth * out_act * (2 + again) * heads_share)  # the output and its gradient
         # the join before the head (forward; its backward keeps this rank's part). The split after the embedding
         # moves nothing: a rank embeds its own band of the image (distributed/bands.py)
-        add("cp", "all_gather", act * cp * t_c * d)
+        add("cp", "all_gather", act * cp * t_c * d if shape.holds_head else 0)
         # the target's bands, gathered before the step (train_mp.py's to_device: Band.whole), fp32
         add("cp", "all_gather", 4 * batch * cp * t_c * shape.out_channels * shape.patch_size ** 2, "targets")
-    tensors = _tensor_shapes(shape, tp, tp * cp > 1)
-    per_block = len(tensors[:-6]) // depth
-    block, root = tensors[:per_block], tensors[-6:]
+    block = _block_shapes(shape, tp, tp * cp > 1)
+    but_head, head = _root_shapes(shape)
+    root = but_head + head
 
     def held(group):
         return sum(_shard(rows, numel, dp) if fsdp else numel for rows, numel in group)
@@ -309,7 +348,7 @@ def collectives_per_step(shape, batch, layout=SERIAL, activation_bytes=4, half=F
             add("tp", "all_reduce", 4 * depth * held([block[7], block[11]] + block[12:]), when)  # row biases, norms
         if cp > 1:
             # block weights, the embeddings (each rank embeds its band) and the final norm
-            add("cp", "all_reduce", 4 * (depth * held(block) + held(root[0:5])), when)
+            add("cp", "all_reduce", 4 * (depth * held(block) + held(but_head)), when)
         add("tp-cp", "all_reduce", 4 * held(root), when)
     if dp > 1 and fsdp:
         padded_block = dp * held(block)
@@ -395,8 +434,17 @@ GIB = 1024 ** 3
 
 def group_spans_nodes(layout, gpus_per_node):
     """{group: True if one of its groups holds ranks of two nodes} for the groups of `layout` (ranks fill the nodes
-    in order, `gpus_per_node` each)."""
+    in order, `gpus_per_node` each); with a pipeline also "pp" (the slowest dimension unless the order names it)."""
+    if layout.pp > 1:
+        return dict(_spans_with_pp(layout.tp, layout.cp, layout.dp, layout.pp, layout.order, gpus_per_node))
     return dict(_spans(layout.tp, layout.cp, layout.dp, layout.order, gpus_per_node))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_with_pp(tp, cp, dp, pp, order, gpus_per_node):
+    grid = Layout(tp=tp, cp=cp, dp=dp, pp=pp, microbatches=pp, order=order).grid()
+    return tuple((name, any(len({rank // gpus_per_node for rank in ranks}) > 1 for ranks in grid.get_ranks(name)))
+                 for name in ("tp", "cp", "tp-cp", "dp", "pp"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -407,7 +455,7 @@ def _spans(tp, cp, dp, order, gpus_per_node):
 
 
 def _group_size(layout, group):
-    return {"tp": layout.tp, "cp": layout.cp, "tp-cp": layout.tp * layout.cp, "dp": layout.dp}[group]
+    return {"tp": layout.tp, "cp": layout.cp, "tp-cp": layout.tp * layout.cp, "dp": layout.dp, "pp": layout.pp}[group]
 
 
 def collective_seconds(op, nbytes, ranks, bandwidth):
@@ -457,9 +505,7 @@ def gemm_flops_per_sample(shape, layout=SERIAL):
     tokens and columns (checkpointing: a second forward), the embedding and head on every token (each rank)."""
     d, t_c, tp = shape.embed_dim, _chunk(shape.tokens, layout.cp), layout.tp
     linear = 2 * t_c * (4 * d * d + 2 * d * shape.hidden) // tp
-    patch_values = shape.patch_size ** 2
-    outside = 2 * 2 * shape.tokens * d * shape.in_channels * patch_values + 3 * 2 * shape.tokens * d * \
-        shape.out_channels * patch_values
+    outside = embed_flops_per_sample(shape) + head_flops_per_sample(shape)
     return shape.depth * linear * (4 if layout.checkpointing else 3) + outside
 
 
@@ -523,13 +569,13 @@ def memory_bytes(shape, layout, batch, half, ddp=True):
     and the saved activations. The peak, during the backward pass: that, plus the gradients and one block's
     activations (its recomputation under checkpointing, its gradients otherwise), and what the cp method holds in
     flight then (cp_buffer_bytes: none for all-gather)."""
-    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    dp = layout.dp
     states = state_bytes_per_rank(shape, layout)
     buckets = states["gradients"] if ddp and layout.world_size > 1 and not layout.fsdp else 0
     found = {"weights": states["parameters"], "optimizer_state": states["optimizer_state"], "ddp_buckets": buckets,
              "gathered_root": 0}
     if layout.fsdp and dp > 1:
-        root = _tensor_shapes(shape, tp, tp * cp > 1)[-6:]
+        root = sum(_root_shapes(shape), [])
         found["gathered_root"] = (2 if half else 4) * sum(numel for _, numel in root)
     # the input (this rank's band under cp) and the target (its band gathered over cp: the whole field)
     patch_values = batch * shape.patch_size ** 2
@@ -578,7 +624,9 @@ def predict(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=R
     profile's parts: attention, GEMMs, memory-bound), flops_per_sample (the serial model's,
     what MFU counts), comm_bytes_per_step by group, counts (one block's FLOPs, the bytes of memory_bytes, every
     collective) and the layout."""
-    layout.check(global_batch=global_batch)  # the batch splits over dp (utils/layout.py)
+    layout.check(global_batch=global_batch, depth=shape.depth)  # the batch splits over dp (utils/layout.py)
+    if layout.pp > 1:
+        return predict_pipeline(shape, system, layout, global_batch, amp_mode, overhead_gib)
     batch = global_batch // layout.dp
     half = amp_mode in ("bf16", "fp16")
     peak_flops = system.tensor_flops[amp_mode if half else "tf32"]
@@ -724,3 +772,204 @@ def predicted_memory_line(params, layout, ddp=True):
     memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
     return (f"Predicted memory of the tensors (planning/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
             f"the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline stages (--pipeline_parallel P, distributed/pipeline.py): each stage a ViT of its own blocks, the first
+# with the patch and position embeddings, the last with the final norm and head; the step's local batch in M
+# microbatches through them.
+
+def stage_cost_ratios(shape):
+    """(embedding, head) cost in blocks, as distributed/pipeline.stage_costs counts them on the serial model: their
+    forward and backward FLOPs over one block's (every token, bidirectional attention)."""
+    d, t, patch = shape.embed_dim, shape.tokens, shape.patch_size ** 2
+    block = 3 * (2 * t * (4 * d * d + 2 * d * shape.hidden) + 4 * t * t * d)
+    embed = 2 * (2 * t * d * shape.in_channels * patch)
+    head = 3 * (2 * t * d * shape.out_channels * patch)
+    return embed / block, head / block
+
+
+def stage_layers(shape, layout):
+    """Blocks per stage: layout.pp_layers, or the cut of distributed/pipeline.balanced_layers with the embedding's
+    and head's costs (stage_cost_ratios), as keep_stage cuts the model."""
+    if layout.pp_layers:
+        return tuple(layout.pp_layers)
+    from distributed.pipeline import balanced_layers  # torch.distributed: only where a pipeline is planned
+    return tuple(balanced_layers(shape.depth, layout.pp, *stage_cost_ratios(shape)))
+
+
+def stage_shapes(shape, layout):
+    """The ViTShape of each stage: its blocks, the embeddings on the first, the final norm and head on the last."""
+    layers = stage_layers(shape, layout)
+    last = len(layers) - 1
+    return [dataclasses.replace(shape, depth=blocks, holds_embedding=index == 0, holds_head=index == last)
+            for index, blocks in enumerate(layers)]
+
+
+def bubble_fraction(stages, microbatches):
+    """The share of a step a stage idles while the pipe fills and drains: (P - 1) / (M + P - 1), for GPipe and for
+    1F1B alike (1F1B reorders the work, not the idle slots)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def microbatches_in_flight(layout, stage):
+    """Microbatches whose saved activations stage `stage` holds at its peak: GPipe all M (every forward before any
+    backward); 1F1B its warm-up P - s - 1 and one more, P - s (at most M)."""
+    if layout.pp_schedule == "gpipe":
+        return layout.microbatches
+    return min(layout.pp - stage, layout.microbatches)
+
+
+def pp_tokens_per_rank(shape, layout):
+    """Tokens of a stage's output on one rank (distributed/pipeline.Pipeline.tokens_shape): its cp chunk, split
+    again over tp with sequence parallelism."""
+    t_c = _chunk(shape.tokens, layout.cp)
+    return _chunk(t_c, layout.tp) if layout.sequence_parallel and layout.tp > 1 else t_c
+
+
+def pp_value_bytes(layout, half):
+    """Bytes of one value sent between stages: fp32, or FSDP's 16-bit parameter dtype under autocast."""
+    return 2 if layout.fsdp and half else 4
+
+
+def p2p_bytes_per_step(shape, layout, batch, half=False):
+    """Bytes one stage boundary carries each way per step at a local batch of `batch`: every microbatch's output
+    forward and its gradient back, 2 x M x (batch / M) x tokens on this rank x embed_dim x bytes."""
+    micro = batch // layout.microbatches
+    return 2 * layout.microbatches * micro * pp_tokens_per_rank(shape, layout) * shape.embed_dim * \
+        pp_value_bytes(layout, half)
+
+
+def stage_memory_bytes(stage, layout, batch, half, index):
+    """memory_bytes of pipeline stage `index` (its ViTShape `stage`) at a local batch of `batch`: its weights and
+    Adam's moments, the batch (every stage loads it), the saved activations of the microbatches it holds in flight
+    (microbatches_in_flight) and, but on the last stage, each one's output kept for its backward; at the peak also
+    the gradients, one block's backward at the microbatch, the cp method's buffers and the gradient received from
+    the next stage. No DDP buckets: a pipeline reduces its gradients over dp without DDP."""
+    micro = batch // layout.microbatches
+    found = memory_bytes(stage, layout, micro, half, ddp=False)
+    for name in ("after_forward", "peak"):
+        del found[name]
+    output = 0 if stage.holds_head else \
+        micro * pp_tokens_per_rank(stage, layout) * stage.embed_dim * pp_value_bytes(layout, half)
+    found["input_batch"] *= layout.microbatches
+    in_flight = microbatches_in_flight(layout, index)
+    found["saved_activations"] = in_flight * (found["saved_activations"] + output)
+    found["microbatches_in_flight"] = in_flight
+    found["after_forward"] = sum(found[name] for name in ("weights", "optimizer_state", "ddp_buckets",
+                                                          "gathered_root", "input_batch", "saved_activations"))
+    found["pp_buffers"] = output  # the gradient of one microbatch's output, received in the backward
+    found["peak"] = found["after_forward"] + found["gradients"] + found["backward_block"] + found["cp_buffers"] + \
+        found["pp_buffers"]
+    return found
+
+
+def _stage_seconds(stage, system, layout, batch, amp_mode, spans):
+    """One stage's step at a local batch of `batch` (all M microbatches): its compute, the collectives inside it
+    (on the critical path of each microbatch: tp's and cp's, the ring's exposed part, FSDP's gathers and scatters
+    beyond the compute: once per microbatch, as FSDP reshards after each forward and reduces in each backward), and
+    what follows the last backward: the gradients' sums over cp and tp and their all-reduce over dp (no DDP: once,
+    bucketless, exposed), FSDP's sums before its step, the targets' gather, Adam."""
+    half = amp_mode in ("bf16", "fp16")
+    peak_flops = system.tensor_flops[amp_mode if half else "tf32"]
+    attention_flops, softmax_ops = attention_work_per_sample(stage, layout)
+    gemm_s = batch * gemm_flops_per_sample(stage, layout) / (peak_flops * EFFICIENCY["matmul"])
+    attention_matmul_s = batch * attention_flops / (peak_flops * EFFICIENCY["matmul"])
+    softmax_s = batch * softmax_ops / (system.vector_flops * EFFICIENCY["matmul"])
+    hbm = system.hbm_bytes_per_s * EFFICIENCY["memory"]
+    memory_s = batch * memory_bound_bytes_per_sample(stage, layout, half) / hbm
+    adam_s = ADAM_BYTES_PER_PARAMETER * parameters_per_rank(stage, layout) / hbm
+    comm_s = {"activations": 0.0, "gradients": 0.0, "weights": 0.0, "step": 0.0, "ring": 0.0, "targets": 0.0}
+    collectives = collectives_per_step(stage, batch, layout, half=half)
+    for group, op, nbytes, when in collectives:
+        bandwidth = system.nic_bytes_per_s if spans[group] else system.nvlink_pair
+        comm_s[when] += collective_seconds(op, nbytes, _group_size(layout, group), bandwidth)
+    ring = ring_steps(stage, system, layout, batch, amp_mode) if cp_method_of(layout) == "ring" else None
+    compute_s = gemm_s + attention_matmul_s + softmax_s + memory_s
+    inside_s = comm_s["activations"] + (ring["exposed_s"] if ring else 0.0) + \
+        max(0.0, layout.microbatches * comm_s["weights"] - compute_s)
+    return {"matmul": gemm_s + attention_matmul_s, "softmax": softmax_s, "memory_bound": memory_s,
+            "attention": attention_matmul_s + softmax_s, "gemm": gemm_s, "compute_s": compute_s,
+            "inside_communication_s": inside_s, "busy_s": compute_s + inside_s, "optimizer_s": adam_s,
+            "after_communication_s": comm_s["gradients"] + comm_s["step"] + comm_s["targets"],
+            "after_s": adam_s + comm_s["gradients"] + comm_s["step"] + comm_s["targets"],
+            "comm_seconds": comm_s, "collectives": collectives, "ring": ring}
+
+
+def predict_pipeline(shape, system, layout, global_batch, amp_mode="bf16", overhead_gib=RUNTIME_OVERHEAD_GIB):
+    """`predict` for a layout with pp > 1 stages (its keys, and "pipeline"). Each stage is timed and sized on its
+    own (stage_shapes). The step: the slowest stage's busy time over the M microbatches stretched by the bubble,
+    x (M + P - 1) / M, plus the point-to-point transfers (blocking in distributed/pipeline.py: each sits in its
+    microbatch's slot, stretched alike) on the link the pp group crosses, plus the longest tail after the last
+    backward (gradient sums and the dp all-reduce, Adam). Memory: each stage's peak (stage_memory_bytes); the
+    heaviest stage's is the layout's, and it must fit. The loss's broadcast (4 bytes) is left out."""
+    batch = global_batch // layout.dp
+    half = amp_mode in ("bf16", "fp16")
+    peak_flops = system.tensor_flops[amp_mode if half else "tf32"]
+    P, M = layout.pp, layout.microbatches
+    spans = group_spans_nodes(layout, system.gpus_per_node)
+    stages = []
+    for index, stage in enumerate(stage_shapes(shape, layout)):
+        seconds = _stage_seconds(stage, system, layout, batch, amp_mode, spans)
+        memory = stage_memory_bytes(stage, layout, batch, half, index)
+        stages.append({"stage": index, "blocks": stage.depth, "embedding": stage.holds_embedding,
+                       "head": stage.holds_head, "parameters": parameters_per_rank(stage, layout),
+                       "flops_per_sample": flops_per_sample(stage), "memory_bytes": memory,
+                       "peak_memory_gb": memory["peak"] / GIB + overhead_gib, **seconds})
+    bubble = bubble_fraction(P, M)
+    slowest = max(stages, key=lambda row: row["busy_s"])
+    tail = max(stages, key=lambda row: row["after_s"])
+    heaviest = max(stages, key=lambda row: row["memory_bytes"]["peak"])
+    p2p_bytes = p2p_bytes_per_step(shape, layout, batch, half)
+    link = system.nic_bytes_per_s if spans["pp"] else system.nvlink_pair
+    p2p_s = collective_seconds("send_recv", p2p_bytes, P, link) / (1 - bubble)
+    bubble_s = slowest["busy_s"] * bubble / (1 - bubble)  # (P - 1) / M of the busy time
+    step_s = slowest["busy_s"] + bubble_s + p2p_s + tail["after_s"]
+    samples_per_sec = global_batch / step_s
+    flops = flops_per_sample(shape)
+    memory = heaviest["memory_bytes"]
+    first = stages[0]
+    comm_bytes = {**_bytes_by_group(first["collectives"]), "pp": p2p_bytes}
+    return {
+        "tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": P, "microbatches": M,
+        "pp_schedule": layout.pp_schedule, "gpus": layout.world_size, "order": layout.order,
+        "flags": layout.flags(), "system": system.name, "amp_mode": amp_mode, "global_batch_size": global_batch,
+        "local_batch_size": batch, "samples_per_sec": samples_per_sec,
+        "mfu": flops * samples_per_sec / (layout.world_size * peak_flops),
+        "memory_after_forward_gb": memory["after_forward"] / GIB + overhead_gib,
+        "peak_memory_gb": heaviest["peak_memory_gb"],
+        "fits": heaviest["peak_memory_gb"] <= system.memory_gib,
+        "step_time_s": step_s,
+        # the slowest stage's compute, the idle bubble, and what is exposed: its collectives, the transfers between
+        # stages and the tail's (the tail's Adam counted as memory-bound)
+        "time_breakdown_s": {"matmul": slowest["matmul"], "softmax": slowest["softmax"],
+                             "memory_bound": slowest["memory_bound"] + tail["optimizer_s"], "bubble": bubble_s,
+                             "exposed_communication": slowest["inside_communication_s"] + p2p_s +
+                             tail["after_communication_s"]},
+        "parts_s": {"attention": slowest["attention"], "gemm": slowest["gemm"],
+                    "memory_bound": slowest["memory_bound"] + slowest["optimizer_s"]},
+        "flops_per_sample": flops,
+        "comm_bytes_per_step": comm_bytes,  # rank 0's (stage 0), and one stage boundary's each way ("pp")
+        "comm_seconds": {**first["comm_seconds"], "pp": p2p_s},
+        "cp_method": cp_method_of(layout),
+        "ring": first["ring"],
+        "parameters_per_gpu": heaviest["parameters"],
+        "pipeline": {
+            "stages": P, "microbatches": M, "schedule": layout.pp_schedule, "layers": stage_layers(shape, layout),
+            "bubble": bubble, "stretch": 1 / (1 - bubble), "p2p_bytes_per_step": p2p_bytes,
+            "p2p_link": "network" if spans["pp"] else "NVLink", "p2p_seconds": p2p_s,
+            "slowest_stage": slowest["stage"], "heaviest_stage": heaviest["stage"],
+            "heaviest_peak_gb": heaviest["peak_memory_gb"],
+            "per_stage": [{key: row[key] for key in ("stage", "blocks", "embedding", "head", "parameters",
+                                                     "flops_per_sample", "peak_memory_gb", "busy_s", "after_s")}
+                          | {"microbatches_in_flight": row["memory_bytes"]["microbatches_in_flight"],
+                             "memory_bytes": row["memory_bytes"]}
+                          for row in stages],
+        },
+        "counts": {  # the heaviest stage's memory; rank 0's (stage 0's) block FLOPs and collectives
+            "block_flops_per_sample": dict(zip(("forward", "backward"), block_flops_per_sample(shape, layout))),
+            "memory_bytes": memory,
+            "collectives": [{"group": group, "op": op, "bytes": nbytes, "when": when}
+                            for group, op, nbytes, when in first["collectives"]],
+        },
+    }

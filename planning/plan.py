@@ -1,16 +1,20 @@
 """Plan a model-parallel layout before spending GPU hours: the performance model (planning/perf_model.py) predicts
-memory, communication and speed of train_mp.py's ViT in any tp x cp x dp layout on a table of GPUs.
+memory, communication and speed of train_mp.py's ViT in any tp x cp x dp x pp layout on a table of GPUs.
 
     make plan ARGS="--config mp --gpus 16 --tensor_parallel 4"            # one layout
     make plan ARGS="--config mp --gpus 16 --plan"                         # every layout that fits, fastest first
     python -m planning.plan --config mp --gpus 64 --gpu H100-SXM --plan --json
     make plan ARGS="--config mp --gpus 16 --plan --measure"              # + the first 3 measured by dry runs
+    make plan ARGS="--config wfm_10b_p2 --gpus 256 --gpu H100-SXM --plan"  # pipeline stages among them
 
 The flags are train_mp.py's (--yaml_config --config --tensor_parallel --context_parallel --parallel_order --amp_mode
---sequence_parallel --activation_checkpointing --fsdp) plus --gpu (the system), --gpus (all GPUs of the job: dp =
-gpus / (tp x cp); the local batch follows from the config's global batch), --plan and --json (the last line printed
-is one JSON object: the prediction, or with --plan {"layouts": [...]}, each with its tp, cp, dp). With --plan the
-layout flags given are kept and the others are tried: every tp and cp that divide, and the memory flags. Each layout
+--sequence_parallel --activation_checkpointing --fsdp --cp_method --pipeline_parallel --num_microbatches
+--pp_schedule --pp_layers) plus --gpu (the system), --gpus (all GPUs of the job: dp = gpus / (tp x cp x pp); the local
+batch follows from the config's global batch), --plan and --json (the last line printed is one JSON object: the
+prediction, or with --plan {"layouts": [...]}, each with its tp, cp, dp). With --plan the layout flags given are kept
+and the others are tried: every tp and cp that divide, pp among 1, 2, 4, 8, ... dividing the depth and the GPUs
+(for a model whose state takes 1/8 of a GPU or more: PIPELINE_STATE_SHARE; as many microbatches as the local batch
+has samples, unless --num_microbatches is given), and the memory flags. Each layout
 comes with the sbatch line that runs it (submit_pm_mp.sh: nodes of 4 GPUs). Predictions, not measurements:
 docs/perf_model.md says what the model counts and how it compares with the published runs. --measure K runs rank 0
 of the first K layouts on this machine (train_mp.py --dry_run: planning/dry_run.py) and prints what it holds
@@ -40,11 +44,15 @@ from planning.perf_model import (
 )
 from resilience.exits import exit_on_user_error
 from utils.errors import ArgumentParser, UserError
-from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, Layout
+from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, DEFAULT_PP_SCHEDULE, PP_SCHEDULES, Layout, parse_pp_layers
 from utils.YParams import YParams
 
 MEASURE_TIMEOUT_S = 3600  # one dry run of --measure (the `mp` ViT's rank 0 on a laptop CPU takes minutes)
 MEMORY_FLAGS = list(itertools.product((False, True), repeat=3))  # sequence parallel, checkpointing, fsdp
+# --plan tries pipelines (pp > 1) for a model whose fp32 state (weights, gradients, Adam's moments: 16 bytes a
+# parameter) takes at least this share of a GPU's memory: the 0.25-degree ViTs (wfm_1b_p4: 16.6 GB, wfm_10b_p2: 172
+# GB), not the tutorial's `mp` (2.5 GB), whose plans stay those README and docs/perf_model.md quote
+PIPELINE_STATE_SHARE = 1 / 8
 
 
 def published_rate(lowest, highest):
@@ -98,6 +106,13 @@ def parser():
     add("--fsdp", action="store_true")
     add("--cp_method", choices=CP_METHODS, default=None,
         help=f"how cp attention reaches the other ranks' K/V (default {DEFAULT_CP_METHOD}; with --plan: each)")
+    add("--pipeline_parallel", type=int, default=None,
+        help="pp: pipeline stages (default 1; with --plan, for a model whose state takes 1/8 of a GPU or more: 1, 2, "
+             "4, ... dividing the depth and the GPUs)")
+    add("--num_microbatches", type=int, default=None,
+        help="microbatches a step under pp (default: one a sample of the local batch, the smallest bubble)")
+    add("--pp_schedule", choices=PP_SCHEDULES, default=None, help=f"pipeline schedule (default {DEFAULT_PP_SCHEDULE})")
+    add("--pp_layers", default=None, help="blocks per stage, e.g. 12,12,12,12 (default: balanced by cost)")
     add("--gpu", choices=sorted(SYSTEMS), default=None,
         help=f"the GPU (default {DEFAULT_GPU}; Perlmutter-style nodes of 4, H200-HGX8 an 8-GPU NVSwitch node)")
     add("--gpus", type=int, default=None, help="GPUs of the job (default: tp x cp, so dp = 1)")
@@ -131,7 +146,7 @@ def read_config(args):
 def refusal(shape, layout, global_batch):
     """The line train_mp.py would refuse this layout with (utils/layout.py's rules), or None."""
     return layout.refusal(num_heads=shape.num_heads, mlp_hidden=shape.hidden, tokens=shape.tokens,
-                          global_batch=global_batch)
+                          global_batch=global_batch, depth=shape.depth)
 
 
 def sbatch_line(config, layout, amp_mode=None, gpus_per_node=4):
@@ -145,31 +160,61 @@ def sbatch_line(config, layout, amp_mode=None, gpus_per_node=4):
     return " ".join(["sbatch", nodes, "submit_pm_mp.sh", f"--config={config}", *layout.flags(), *extra])
 
 
-def layouts_of(gpus, args):
-    """Every layout of `gpus` GPUs: tp and cp dividing them (or the ones given), with each combination of the memory
-    flags that applies (the flags given are always on; FSDP at dp = 1 only when asked for)."""
+def pipeline_sizes(gpus, shape, system, args):
+    """The pp sizes to try: the one given; else with --plan, for a model whose state takes PIPELINE_STATE_SHARE of
+    the GPU's memory or more, 1, 2, 4, 8, ... dividing both the GPUs and the depth; else 1."""
+    if getattr(args, "pipeline_parallel", None):
+        return [args.pipeline_parallel]
+    if not getattr(args, "plan", False) or shape is None or \
+            16 * parameters_per_rank(shape) < PIPELINE_STATE_SHARE * system.memory_gib * GIB:
+        return [1]
+    return [2 ** k for k in range(shape.depth.bit_length()) if shape.depth % 2 ** k == 0 and gpus % 2 ** k == 0]
+
+
+def pipeline_switches(gpus, tp, cp, pp, global_batch, args):
+    """Layout keywords of a pipeline of pp stages (none at pp = 1): the microbatches given, or one a sample of the
+    local batch (the smallest bubble; at least pp, so that a batch too small is refused by the layout's rule), the
+    schedule and blocks per stage given. None: tp x cp x pp does not divide the GPUs."""
+    if pp == 1:
+        return {}
+    if gpus % (tp * cp * pp):
+        return None
+    local = global_batch // (gpus // (tp * cp * pp)) if global_batch else pp
+    return {"pp": pp, "microbatches": getattr(args, "num_microbatches", None) or max(local, pp),
+            "pp_schedule": getattr(args, "pp_schedule", None) or DEFAULT_PP_SCHEDULE,
+            "pp_layers": parse_pp_layers(getattr(args, "pp_layers", None))}
+
+
+def layouts_of(gpus, args, shape=None, global_batch=None, system=None):
+    """Every layout of `gpus` GPUs: tp and cp dividing them (or the ones given), pp (pipeline_sizes) with its
+    microbatches (pipeline_switches), with each combination of the memory flags that applies (the flags given are
+    always on; FSDP at dp = 1 only when asked for)."""
     divisors = [n for n in range(1, gpus + 1) if gpus % n == 0]
-    for tp in divisors if args.tensor_parallel is None else [args.tensor_parallel]:
-        for cp in divisors if args.context_parallel is None else [args.context_parallel]:
-            if gpus % (tp * cp):
-                continue
-            # the cp method given, or each at cp > 1 (at cp = 1 there is none: the default stands for it)
-            methods = [args.cp_method or DEFAULT_CP_METHOD] if cp == 1 or args.cp_method else CP_METHODS
-            for (sp, ac, fsdp), method in itertools.product(MEMORY_FLAGS, methods):
-                if (sp and tp == 1) or (fsdp and gpus == tp * cp and not args.fsdp):
+    for pp in pipeline_sizes(gpus, shape, system, args):
+        for tp in divisors if args.tensor_parallel is None else [args.tensor_parallel]:
+            for cp in divisors if args.context_parallel is None else [args.context_parallel]:
+                if gpus % (tp * cp):
                     continue
-                if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
-                        (args.fsdp and not fsdp):
+                pipeline = pipeline_switches(gpus, tp, cp, pp, global_batch, args)
+                if pipeline is None:
                     continue
-                yield Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=sp,
-                                       checkpointing=ac, fsdp=fsdp, cp_method=method)
+                # the cp method given, or each at cp > 1 (at cp = 1 there is none: the default stands for it)
+                methods = [args.cp_method or DEFAULT_CP_METHOD] if cp == 1 or args.cp_method else CP_METHODS
+                for (sp, ac, fsdp), method in itertools.product(MEMORY_FLAGS, methods):
+                    if (sp and tp == 1) or (fsdp and gpus == tp * cp * pp and not args.fsdp):
+                        continue
+                    if (args.sequence_parallel and not sp) or (args.activation_checkpointing and not ac) or \
+                            (args.fsdp and not fsdp):
+                        continue
+                    yield Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=sp,
+                                           checkpointing=ac, fsdp=fsdp, cp_method=method, **pipeline)
 
 
 def plan(shape, system, gpus, global_batch, amp_mode, args):
     """Predictions of every layout of `gpus` GPUs that divides and fits, fastest first, each with its sbatch line.
     None divides: one line."""
     found, divides, first_problem = [], False, None
-    for layout in layouts_of(gpus, args):
+    for layout in layouts_of(gpus, args, shape, global_batch, system):
         problem = refusal(shape, layout, global_batch)
         if problem:
             first_problem = first_problem or problem
@@ -192,8 +237,29 @@ def cp_name(row):
 
 
 def _flags(row):
-    """A row's flags after tp and cp, but the cp method (cp_name says it)."""
-    return [flag for flag in row["flags"][2:] if not flag.startswith("--cp_method")]
+    """A row's flags after tp and cp, but the cp method (cp_name says it) and the pipeline's (pp_name says them)."""
+    said = ("--cp_method", "--pipeline_parallel", "--num_microbatches", "--pp_schedule", "--pp_layers")
+    return [flag for flag in row["flags"][2:] if not flag.startswith(said)]
+
+
+def pp_name(row):
+    """' pp=4 (1f1b, M=16)' for a pipeline, '' without one."""
+    if row.get("pp", 1) == 1:
+        return ""
+    return f" pp={row['pp']} ({row['pp_schedule']}, M={row['microbatches']})"
+
+
+def pipeline_line(row):
+    """A pipeline's stages in one line: blocks, peak memory, the heaviest stage, the bubble and the transfers."""
+    pipe = row.get("pipeline")
+    if not pipe:
+        return None
+    stages = ", ".join(f"{stage['blocks']}" for stage in pipe["per_stage"])
+    peaks = ", ".join(f"{stage['peak_memory_gb']:.1f}" for stage in pipe["per_stage"])
+    return (f"  stages: blocks {stages}; peak GB {peaks}: the heaviest stage {pipe['heaviest_stage']} "
+            f"({pipe['heaviest_peak_gb']:.1f} GB); bubble {100 * pipe['bubble']:.1f}% of the step; between stages "
+            f"{pipe['p2p_bytes_per_step'] / GIB:.2f} GB each way a step over {pipe['p2p_link']} "
+            f"({1e3 * pipe['p2p_seconds']:.0f} ms)")
 
 
 def ring_line(row):
@@ -214,7 +280,8 @@ def describe(row, system):
     comm = ", ".join(f"{group} {nbytes / GIB:.2f} GB" for group, nbytes in row["comm_bytes_per_step"].items()
                      if nbytes)
     lines = [
-        f"layout tp={row['tp']} {cp_name(row)} dp={row['dp']} ({row['order']}) {' '.join(_flags(row))}".rstrip(),
+        f"layout tp={row['tp']} {cp_name(row)} dp={row['dp']}{pp_name(row)} ({row['order']}) "
+        f"{' '.join(_flags(row))}".rstrip(),
         f"  per GPU: {row['parameters_per_gpu'] / 1e6:.1f} M parameters, local batch {row['local_batch_size']}; "
         f"memory after the forward {row['memory_after_forward_gb']:.1f} GB, peak {row['peak_memory_gb']:.1f} GB of "
         f"{system.memory_gib:g} ({'fits' if row['fits'] else 'does NOT fit'})",
@@ -225,10 +292,12 @@ def describe(row, system):
         f"  one block, one sample: {counts['block_flops_per_sample']['forward'] / 1e9:.1f} GFLOP forward, "
         f"{counts['block_flops_per_sample']['backward'] / 1e9:.1f} backward (this rank's share)",
         f"  step {1e3 * row['step_time_s']:.0f} ms: matmul {1e3 * breakdown['matmul']:.0f}, softmax "
-        f"{1e3 * breakdown['softmax']:.0f}, memory-bound {1e3 * breakdown['memory_bound']:.0f}, exposed "
+        f"{1e3 * breakdown['softmax']:.0f}, memory-bound {1e3 * breakdown['memory_bound']:.0f}, "
+        + (f"bubble {1e3 * breakdown['bubble']:.0f}, " if "bubble" in breakdown else "") + "exposed "
         f"communication {1e3 * breakdown['exposed_communication']:.0f} ms; moved per step: {comm or 'nothing'}",
         f"  predicted {speed(row['samples_per_sec'])} samples/s, MFU {100 * row['mfu']:.1f}%",
         ring_line(row),
+        pipeline_line(row),
         f"  run it: {row['sbatch']}"]
     return "\n".join(line for line in lines if line)
 
@@ -353,16 +422,39 @@ def summary(row, system):
     """Two lines of --plan: the layout and its prediction, then the sbatch line."""
     flags = " ".join(_flags(row))
     exposed_ms = 1e3 * row["time_breakdown_s"]["exposed_communication"]
-    return (f"tp={row['tp']} {cp_name(row)} dp={row['dp']}{' ' + flags if flags else ''}: "
+    pipe = row.get("pipeline")
+    stage = f"stage {pipe['heaviest_stage']}'s " if pipe else ""
+    bubble = f", bubble {1e3 * row['time_breakdown_s']['bubble']:.0f}" if pipe else ""
+    return (f"tp={row['tp']} {cp_name(row)} dp={row['dp']}{pp_name(row)}{' ' + flags if flags else ''}: "
             f"{speed(row['samples_per_sec'])} samples/s, MFU {100 * row['mfu']:.1f}%, "
-            f"{row['memory_after_forward_gb']:.1f} GB after the forward (peak {row['peak_memory_gb']:.1f} of "
-            f"{system.memory_gib:g}), exposed communication {exposed_ms:.0f} of {1e3 * row['step_time_s']:.0f} ms "
-            f"a step\n      {row['sbatch']}")
+            f"{row['memory_after_forward_gb']:.1f} GB after the forward (peak {stage}{row['peak_memory_gb']:.1f} of "
+            f"{system.memory_gib:g}), exposed communication {exposed_ms:.0f}{bubble} of "
+            f"{1e3 * row['step_time_s']:.0f} ms a step\n      {row['sbatch']}")
+
+
+def fastest_of_each_pipeline(rows, top, system, tried=(1,)):
+    """Where a plan tried several pp sizes: for each not among the first `top`, its fastest layout in one line, or
+    that none fits."""
+    shown = {row.get("pp", 1) for row in rows[:top]}
+    lines = [f"    pp={pp}: no layout fits" for pp in tried if len(tried) > 1 and
+             not any(row.get("pp", 1) == pp for row in rows)]
+    for rank, row in enumerate(rows, start=1):
+        pp = row.get("pp", 1)
+        if pp in shown:
+            continue
+        shown.add(pp)
+        stage = f"stage {row['pipeline']['heaviest_stage']}'s " if pp > 1 else ""
+        flags = " ".join(_flags(row))
+        lines.append(f"    fastest at pp={pp}: #{rank}, tp={row['tp']} {cp_name(row)} dp={row['dp']}{pp_name(row)}"
+                     f"{' ' + flags if flags else ''}: {speed(row['samples_per_sec'])} samples/s, peak {stage}"
+                     f"{row['peak_memory_gb']:.1f} of {system.memory_gib:g} GB")
+    return lines
 
 
 def check_numbers(args):
     """Sizes and numbers that cannot be right, one line each."""
     for flag, value in (("--tensor_parallel", args.tensor_parallel), ("--context_parallel", args.context_parallel),
+                        ("--pipeline_parallel", args.pipeline_parallel), ("--num_microbatches", args.num_microbatches),
                         ("--gpus", args.gpus), ("--top", args.top)):
         if value is not None and value < 1:
             raise UserError(f"{flag} is {value}; it must be at least 1")
@@ -381,8 +473,8 @@ def main(argv=None):
         return print_parts(args.parts, args.json)
     check_numbers(args)
     shape, global_batch, amp_mode = read_config(args)
-    tp, cp = args.tensor_parallel or 1, args.context_parallel or 1
-    gpus = args.gpus if args.gpus is not None else tp * cp
+    tp, cp, pp = args.tensor_parallel or 1, args.context_parallel or 1, args.pipeline_parallel or 1
+    gpus = args.gpus if args.gpus is not None else tp * cp * pp
     if args.methods:
         for name in [args.gpu] if args.gpu else METHOD_SYSTEMS:
             check_gpus(gpus, SYSTEMS[name])
@@ -402,13 +494,17 @@ def main(argv=None):
             print(f"{rank:2d}. " + summary(row, system))
         if len(rows) > args.top:
             print(f"... and {len(rows) - args.top} slower layouts that fit (--top N, or --json for all)")
+        for line in fastest_of_each_pipeline(rows, args.top, system, pipeline_sizes(gpus, shape, system, args)):
+            print(line)
         result = {"gpus": gpus, "system": system.name, "config": args.config, "layouts": rows}
         if args.measure:
             result["measured"] = measure(rows[:args.measure], gpus, args)
     else:
         layout = Layout.for_world(gpus, tp, cp, order=args.parallel_order, sequence_parallel=args.sequence_parallel,
                                   checkpointing=args.activation_checkpointing, fsdp=args.fsdp,
-                                  cp_method=args.cp_method or DEFAULT_CP_METHOD)
+                                  cp_method=args.cp_method or DEFAULT_CP_METHOD,
+                                  **(pipeline_switches(gpus, tp, cp, pp, global_batch, args) or
+                                     {"pp": pp, "microbatches": args.num_microbatches or pp}))
         problem = refusal(shape, layout, global_batch)
         if problem:
             raise UserError(f"{problem}; choose another layout (or --plan to list those that work)")
