@@ -7,7 +7,7 @@ COSMO_DIR ?= data/cosmo
 CIFAR_DIR ?= data/cifar100
 RUN_NUM ?= 00
 
-.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-band-read bench-wfm-methods bench-cp-memory bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
+.PHONY: install install-compat demo demo-unet demo-resnet test test-long test-all test-fast test-compat test-compat-long lint gpu-check gpu-table bench bench-step bench-train bench-unet bench-resnet bench-mp bench-mp-shape bench-loader bench-loader-cosmo bench-band-read bench-pipeline bench-wfm-pipeline bench-wfm-methods bench-cp-memory bench-graph bench-dry-run bench-agreement bench-checkpoint stress-exit plan example-logs example-logs-multi figures profile-figures gpu-lessons clean
 
 install: $(VENV)/.installed
 
@@ -134,6 +134,16 @@ stress-exit: install install-compat
 # 1 GB of 721 x 1440 sample data first if data/era5_721x1440 has none; about a minute)
 bench-band-read: install
 	$(PY) -m benchmarks.bench_band_read --data_dir data/era5_721x1440 --repeats 9 --out bench_results/band_read.json
+
+# the pipeline schedules' idle share and held activations on P = 2 and 4 gloo ranks whose stages sleep for their
+# work, against (P - 1) / (M + P - 1) (about a minute)
+bench-pipeline: install
+	$(PY) -m benchmarks.bench_pipeline --stages 2,4 --forward_ms 25 --out bench_results/pipeline_bubble.json
+
+# wfm_tiny one epoch serially and through pipeline stages on CPU ranks (pp=2 GPipe, pp=4 1F1B, pp=2 x cp=2 ring):
+# validation loss, weights against serial (about 5 minutes)
+bench-wfm-pipeline: install
+	$(PY) -m benchmarks.bench_wfm_pipeline --data_dir data/era5_wfm_tiny --out bench_results/wfm_pipeline.json
 
 # wfm_tiny one epoch serially and with each --cp_method at cp=4 on CPU ranks: validation loss, weights against serial
 bench-wfm-methods: install

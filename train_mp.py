@@ -1,12 +1,12 @@
-"""Train the ViT with tensor (tp) and context (cp) parallelism, composed with data parallelism (dp).
+"""Train the ViT with tensor (tp), context (cp) and pipeline (pp) parallelism, composed with data parallelism (dp).
 
     torchrun --nproc_per_node 4 train_mp.py --config mp --tensor_parallel 4 --data_dir /path/to/era5
-    torchrun --nproc_per_node 4 train_mp.py --config mp --tensor_parallel 2 --context_parallel 2 ...
+    torchrun --nproc_per_node 4 train_mp.py --config wfm_tiny --pipeline_parallel 2 --context_parallel 2 ...
     sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=4                 # Perlmutter, 16 GPUs
 
-Ranks form a tp x cp x dp grid in the order --parallel_order (first name fastest). The run directory is
-<expdir>/<config>/<tp*cp>MP/<run_num>/; checkpoints hold the serial model's state (gathered on save, sharded
-on load), so they resume at any layout and in train.py.
+Ranks form a tp x cp x dp x pp grid in the order --parallel_order (first name fastest; pp, unnamed, slowest). The run
+directory is <expdir>/<config>/<tp*cp>MP/<run_num>/ (<tp*cp>MP<pp>PP with a pipeline); checkpoints hold the serial
+model's state (gathered on save, sharded on load), so they resume at any layout and in train.py.
 """
 import lifecycle.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
 
@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from distributed import bands, serial_state
+from distributed import bands, pipeline, serial_state
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.parallelize import Options, parallelize
 from lifecycle.cli import model_parallel_parser
@@ -46,7 +46,7 @@ def main(argv=None):
     if args.dry_run:  # this process is one rank of the layout, the others stand-ins (planning/dry_run.py)
         dry_run.join(layout, args.dry_run_rank)
     grid = comm.init(layout, rendezvous_timeout=args.dist_timeout, collective_timeout=args.collective_timeout)
-    run = start_run(args, params, grid, layout=f"{layout.model_parallel}MP")
+    run = start_run(args, params, grid, layout=layout.name)
     device = run.device
 
     # data: each data-parallel rank reads its own shard
@@ -78,7 +78,7 @@ def main(argv=None):
     # the optimizer on the wrapped parameters (--fsdp shards them), then the checkpoint's state if resuming
     optimizer = get_optimizer(params, raw_model)
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = ModelParallelGradScaler(device.type, grid["tp-cp"], enabled=params.amp_mode == "fp16")  # skip together
+    scaler = ModelParallelGradScaler(device.type, grid["tp-cp-pp"], enabled=params.amp_mode == "fp16")  # skip together
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, serial_state.load_serial_state_dict,
                                      lambda opt, state: serial_state.load_serial_optimizer_state(raw_model, opt, state))
 
@@ -107,6 +107,8 @@ def main(argv=None):
         return gen, loss
 
     num_devices = devices_in_use(args, device)  # one per rank, or every visible GPU under DataParallel
+    if layout.pp > 1:  # the stages run a schedule over microbatches instead (distributed/pipeline.py)
+        train_step = pipeline.train_step(model, optimizer, scaler, loss_fn, autocast)
     if args.dry_run:  # one rank of the layout measured, the others stand-ins (planning/dry_run.py), not training
         return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)

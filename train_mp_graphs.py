@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from distributed import bands, serial_state
+from distributed import bands, pipeline, serial_state
 from distributed.grad_scaler import ModelParallelGradScaler
 from distributed.parallelize import Options, parallelize
 from lifecycle.cli import model_parallel_parser
@@ -50,7 +50,7 @@ def main(argv=None):
     if args.dry_run:  # this process is one rank of the layout, the others stand-ins (planning/dry_run.py)
         dry_run.join(layout, args.dry_run_rank)
     grid = comm.init(layout, rendezvous_timeout=args.dist_timeout, collective_timeout=args.collective_timeout)
-    run = start_run(args, params, grid, layout=f"{layout.model_parallel}MP")
+    run = start_run(args, params, grid, layout=layout.name)
     device = run.device
     cuda_graphs.check_support(params, args, device, script=__file__)
 
@@ -85,7 +85,7 @@ def main(argv=None):
     # the optimizer on the wrapped parameters (--fsdp shards them), then the checkpoint's state if resuming
     optimizer = get_optimizer(params, raw_model)
     scheduler = get_lr_scheduler(params, optimizer, steps_per_epoch)
-    scaler = ModelParallelGradScaler(device.type, grid["tp-cp"], enabled=params.amp_mode == "fp16")  # skip together
+    scaler = ModelParallelGradScaler(device.type, grid["tp-cp-pp"], enabled=params.amp_mode == "fp16")  # skip together
     start_iter, epoch_sums = restore(run, raw_model, optimizer, scheduler, scaler, serial_state.load_serial_state_dict,
                                      lambda opt, state: serial_state.load_serial_optimizer_state(raw_model, opt, state))
 
@@ -121,6 +121,8 @@ def main(argv=None):
     graphed_step = cuda_graphs.GraphedStep(train_step, (static_inp, static_tar), stream, model, optimizer, scaler)
 
     num_devices = devices_in_use(args, device)  # one per rank, or every visible GPU under DataParallel
+    if layout.pp > 1:  # the stages run a schedule over microbatches instead (distributed/pipeline.py)
+        train_step = pipeline.train_step(model, optimizer, scaler, loss_fn, autocast)
     if args.dry_run:  # one rank of the layout measured, the others stand-ins (planning/dry_run.py), not training
         return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)

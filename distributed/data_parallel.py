@@ -31,8 +31,9 @@ class DDPOptions:
         return cls(not args.noddp, args.bucket_cap_mb, not args.disable_broadcast_buffers)
 
 
-def _all_reduce_in_place(grads, axis):
-    """One all-reduce (sum) over the group `axis` for a list of gradients (views into DDP's bucket, set in place)."""
+def all_reduce_in_place(grads, axis):
+    """One all-reduce (sum) over the group `axis` for a list of gradients, set in place (views into DDP's bucket, or the
+    gradients a pipeline stage reduces once a step: pipeline.reduce_gradients)."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=axis.group)
     offset = 0
@@ -54,12 +55,12 @@ def reduce_marked_gradients(grid, params, grads):
     for name in names:
         summed = [g for p, g in params if name in getattr(p, "mark_for_reduction", [])]
         if summed:
-            _all_reduce_in_place(summed, grid[name])
+            all_reduce_in_place(summed, grid[name])
     for name in names:
         copies = [g for p, g in params
                   if name in getattr(p, "is_shared_mp", []) and name not in getattr(p, "mark_for_reduction", [])]
         if copies:
-            _all_reduce_in_place([g.div_(grid.size(name)) for g in copies], grid[name])
+            all_reduce_in_place([g.div_(grid.size(name)) for g in copies], grid[name])
 
 
 def _reduce_marked_gradients(grid, bucket):

@@ -1,12 +1,16 @@
 """The recipe: everything a layout asks of the serial ViT, applied by one function (parallelize), in one fixed order.
 
+    0. pipeline parallelism (`--pipeline_parallel`, pipeline.keep_stage): the model is cut down to this rank's stage
+       of consecutive blocks (the first with the patch embedding, the last with the head), before anything else
+       splits it;
     1. tensor, sequence and context parallelism (split_tokens_and_weights): each block's attention, MLP and norms
        become the layers of layers.py holding this rank's shard of the serial weights (the attention reaching the
        other cp ranks' keys and values by the layout's cp_method: context_parallel.py), and the model is handed its
        cp and tp groups and split shapes; copies of shared weights are made equal over the model-parallel group;
     2. activation checkpointing (`--activation_checkpointing`, the layout's `checkpointing`): each transformer block
        keeps only its input for the backward pass and recomputes its forward there;
-    3. data parallelism over "dp", one of:
+    3. data parallelism over "dp", one of (under pipeline parallelism, not DDP: the pipeline reduces the gradients
+       over dp once a step, after its last backward, pipeline.reduce_gradients):
        - DDP (the default): whole weights, gradients and Adam moments on every dp rank; its comm hook also sums the
          gradients of cp-shared weights over "cp" (data_parallel.py);
        - FSDP2 (`--fsdp`, torch.distributed.fsdp.fully_shard per transformer block and the root, over the "dp"
@@ -17,7 +21,8 @@
          FSDP replaces the parameters with sharded ones (DTensors); checkpoints gather them (serial_state);
     4. torch.compile (enable_jit) of the wrapped model: compiling the DDP module (rather than the model inside it,
        torchtitan's order for FSDP) lets DDP's graph optimizer split the graph at its buckets, so that each bucket's
-       all-reduce starts while the backward goes on.
+       all-reduce starts while the backward goes on;
+    5. under pipeline parallelism, the stage is wrapped in the Pipeline that runs the schedules (pipeline.py).
 
 Everything it needs comes in as arguments: the model, the run's grid (utils/layout.Grid, from comm.init) and the
 small option objects below; nothing is fetched from a global. A later parallel dimension is one more step here,
@@ -37,6 +42,7 @@ from distributed.bands import Band
 from distributed.data_parallel import DDPOptions, init_ddp_model_and_reduction_hooks, reduce_marked_gradients
 from distributed.helpers import compute_split_shapes, init_params_for_shared_weights, mark_shared
 from distributed.layers import DistributedAttention, DistributedLayerNorm, DistributedMLP
+from distributed.pipeline import Pipeline, keep_stage
 from utils.compat import fsdp_api
 
 PRESERVE_RNG_STATE = True  # the recomputed forward replays the dropout masks of the first (tests switch it off)
@@ -66,18 +72,23 @@ def parallelize(model, grid, device, options=Options()):
     layout = grid.layout
     facts = model.layout_facts() if hasattr(model, "layout_facts") else {}  # the ViT's heads, width, tokens, dropout
     layout.check(**facts, noddp=not options.ddp.enabled, channels_last=options.channels_last)
+    raw = model
+    if layout.pp > 1:
+        keep_stage(model, layout, grid["pp"])  # 0
     if layout.model_parallel > 1:
         split_tokens_and_weights(model, grid)  # 1
     if layout.checkpointing:
-        checkpoint_blocks(model.blocks)  # 2
+        checkpoint_blocks(model.held_blocks())  # 2
     if layout.fsdp and layout.world_size == 1:
         logging.info("--fsdp on one rank: nothing to shard, the model stays whole")
     if layout.world_size > 1 and layout.fsdp:  # 3
         model = shard_fully(model, grid, device, options.param_dtype)
-    elif layout.world_size > 1 and options.ddp.enabled:
+    elif layout.world_size > 1 and options.ddp.enabled and layout.pp == 1:
         model = init_ddp_model_and_reduction_hooks(model, grid, device, options.ddp)
     if options.compile:  # 4
         model = torch.compile(model)
+    if layout.pp > 1:  # 5: the stages' tokens are fp32, or the dtype FSDP computes in
+        model = Pipeline(model, raw, grid, (layout.fsdp and options.param_dtype) or torch.float32)
     return model
 
 
@@ -92,9 +103,9 @@ def split_tokens_and_weights(model, grid):
     if grid.layout.sequence_parallel and tp.size > 1:  # this rank's cp chunk of tokens is split again over tp
         model.sequence_shapes = compute_split_shapes(model.cp_shapes[cp.rank], tp.size)
     sequence, split_tokens = {"sequence_shapes": model.sequence_shapes}, bool(model.sequence_shapes)
-    device = model.pos_embed.device  # the new layers are built on the CPU, then moved there
+    device = next(model.parameters()).device  # the new layers are built on the CPU, then moved there
     with torch.random.fork_rng(devices=[]):  # the distributed layers' own initialisation must not move the RNG
-        for block in model.blocks:
+        for block in model.held_blocks():
             dim, hidden = block.norm1.normalized_shape[0], block.mlp.fc1.out_features
             replacements = {
                 "norm1": DistributedLayerNorm(dim, eps=block.norm1.eps, tp=tp, cp=cp, sequence_parallel=split_tokens),
@@ -111,7 +122,10 @@ def split_tokens_and_weights(model, grid):
     # the final norm sees only this rank's tokens, so its gradients are partial over cp and are summed there
     # (upstream left them unreduced and the copies drifted apart)
     # and so do the patch and position embeddings, which see only this rank's band of the image (bands.py)
-    for param in [*model.norm.parameters(), *model.patch_embed.parameters(), model.pos_embed]:
+    # (a pipeline stage holds them only if it is the first or the last)
+    for param in [*(model.norm.parameters() if model.norm else []),
+                  *(model.patch_embed.parameters() if model.patch_embed else []),
+                  *([model.pos_embed] if model.pos_embed is not None else [])]:
         mark_shared(param, ["tp-cp"], ["cp"])
     init_params_for_shared_weights(model, grid)  # copies of shared weights equal across the model-parallel group
     return model
@@ -141,7 +155,7 @@ def shard_fully(model, grid, device, param_dtype=None):
              if hasattr(p, "is_shared_mp")}
     mesh = DeviceMesh.from_group(grid["dp"].group, device.type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in model.held_blocks():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for name, param in model.named_parameters():

@@ -5,10 +5,15 @@ state dict the serial model has, under the serial names, and does the same for t
 state (Adam's moments have the parameters' shapes). Loading takes this rank's shard of each serial tensor. So a
 checkpoint written at tp=2 x cp=2 loads at tp=1, in train.py, or at any other layout, and the reverse.
 Under FSDP (--fsdp) each tensor is first gathered over dp (a DTensor's full_tensor) and loaded back as this rank's
-dp shard (distribute_tensor like the parameter). Gathering is collective: every rank calls these functions in the
-same order.
+dp shard (distribute_tensor like the parameter). Under pipeline parallelism (distributed/pipeline.py) each stage
+holds some of the serial names: saving sends each stage's tensors to every stage (over "pp"), loading takes the
+names of this rank's stage. Gathering is collective: every rank calls these functions in the same order.
 """
+import json
+import re
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distributed.helpers import gather
@@ -62,13 +67,14 @@ def from_serial(model, name, tensor):
 
 def serial_state_dict(model):
     """model.state_dict() as the serial model would hold it (collective)."""
-    return {serial_name(model, name): to_serial(model, name, tensor.detach())
-            for name, tensor in model.state_dict().items()}
+    return _from_every_stage(model, {serial_name(model, name): to_serial(model, name, tensor.detach())
+                                     for name, tensor in model.state_dict().items()})
 
 
 def load_serial_state_dict(model, state, path):
     """Load a serial state dict into a (possibly distributed) model; one line naming the first misfit."""
-    load_model_state(model, state, path, saved_name=lambda name: serial_name(model, name),
+    load_model_state(model, {name: tensor for name, tensor in state.items() if not _other_stage(model, name)},
+                     path, saved_name=lambda name: serial_name(model, name),
                      shard=lambda name, tensor: from_serial(model, name, tensor))
 
 
@@ -82,10 +88,92 @@ def _map_optimizer_state(model, state_dict, convert):
 
 
 def serial_optimizer_state(model, optimizer):
-    """optimizer.state_dict() with every per-parameter tensor gathered to the serial shape (collective)."""
-    return _map_optimizer_state(model, optimizer.state_dict(), to_serial)
+    """optimizer.state_dict() with every per-parameter tensor gathered to the serial shape (collective). Under
+    pipeline parallelism the parameters are numbered as the serial model's (its named_parameters order)."""
+    found = _map_optimizer_state(model, optimizer.state_dict(), to_serial)
+    if getattr(model, "pp", None) is None or model.pp.size == 1:
+        return found
+    names = [serial_name(model, name) for name, _ in model.named_parameters()]
+    flat = {f"{names[index]}/{key}": value for index, values in found["state"].items() for key, value in values.items()}
+    flat = _from_every_stage(model, flat)
+    order = model.serial_parameter_names
+    state = {}
+    for key, value in flat.items():
+        name, _, slot = key.rpartition("/")
+        state.setdefault(order.index(name), {})[slot] = value
+    groups = [{**group, "params": list(range(len(order)))} for group in found["param_groups"]]
+    return {"state": {index: state[index] for index in sorted(state)}, "param_groups": groups}
 
 
 def load_serial_optimizer_state(model, optimizer, state_dict):
     """Load an optimizer state of the serial layout into the optimizer of a (possibly distributed) model."""
+    if getattr(model, "pp", None) is not None and model.pp.size > 1:  # this stage's parameters, renumbered
+        order, names = model.serial_parameter_names, [serial_name(model, n) for n, _ in model.named_parameters()]
+        state = {names.index(order[index]): values for index, values in state_dict["state"].items()
+                 if order[index] in names}
+        groups = [{**group, "params": list(range(len(names)))} for group in state_dict["param_groups"]]
+        state_dict = {"state": state, "param_groups": groups}
     optimizer.load_state_dict(_map_optimizer_state(model, state_dict, from_serial))
+
+
+# --- pipeline stages -------------------------------------------------------------------------------------------
+
+def _other_stage(model, name):
+    """Whether serial name `name` is held by another pipeline stage than this rank's (a name no stage holds is not:
+    the load then names it)."""
+    if getattr(model, "pp", None) is None or model.pp.size == 1:
+        return False
+    block = re.match(r"blocks\.(\d+)\.", name)
+    if block:
+        return int(block.group(1)) not in model.stage_blocks and int(block.group(1)) < len(model.blocks)
+    if name.split(".")[0] in ("patch_embed", "pos_embed"):
+        return not model.first_stage
+    if name.split(".")[0] in ("norm", "head"):
+        return not model.last_stage
+    return False
+
+
+def _from_every_stage(model, local):
+    """{name: tensor} of this stage merged with every other stage's, on every stage (collective over "pp"): each
+    stage's names, shapes and dtypes go round as JSON in a byte tensor (data, never unpickled), then its tensors,
+    flattened into one buffer a dtype, in a broadcast from that stage. The tensors land on the CPU."""
+    pp = getattr(model, "pp", None)
+    if pp is None or pp.size == 1:
+        return local
+    device = next(model.parameters()).device
+    if device.type == "cuda" and dist.get_backend(pp.group) != "nccl":
+        device = torch.device("cpu")
+    ranks = dist.get_process_group_ranks(pp.group)
+    manifest = json.dumps([[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in local.items()])
+    manifests = _all_gather_bytes(manifest.encode(), pp, device)
+    merged = {}
+    for stage, text in enumerate(manifests):
+        entries = json.loads(text)
+        for dtype_name in sorted({dtype for _, dtype, _ in entries}):
+            dtype = getattr(torch, dtype_name)
+            names = [(name, shape) for name, kind, shape in entries if kind == dtype_name]
+            numel = sum(int(torch.Size(shape).numel()) for _, shape in names)
+            if stage == pp.rank:
+                flat = torch.cat([local[name].reshape(-1).to(device, dtype) for name, _ in names])
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=device)
+            dist.broadcast(flat, src=ranks[stage], group=pp.group)
+            offset = 0
+            for name, shape in names:
+                size = int(torch.Size(shape).numel())
+                merged[name] = flat[offset:offset + size].view(shape).cpu().clone()
+                offset += size
+    return merged
+
+
+def _all_gather_bytes(data, axis, device):
+    """Every rank of `axis`'s bytes, in rank order."""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(axis.size)]
+    dist.all_gather(lengths, length, group=axis.group)
+    longest = max(int(n.item()) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    found = [torch.zeros_like(mine) for _ in range(axis.size)]
+    dist.all_gather(found, mine, group=axis.group)
+    return [bytes(t[:int(n.item())].cpu().tolist()) for t, n in zip(found, lengths)]

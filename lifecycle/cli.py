@@ -6,7 +6,7 @@ import torch
 
 from lifecycle.workers import check_worker_count
 from utils.errors import ArgumentParser, UserError
-from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, Layout, dry_run_refusal
+from utils.layout import CP_METHODS, DEFAULT_CP_METHOD, DEFAULT_PP_SCHEDULE, PP_SCHEDULES, Layout, dry_run_refusal
 from utils.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT
 
 AMP_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -120,6 +120,16 @@ def model_parallel_parser(description):
     add("--activation_checkpointing", action="store_true",
         help="recompute each transformer block's forward in the backward pass (less memory)")
     add("--fsdp", action="store_true", help="shard weights, gradients and Adam state over dp (FSDP2) instead of DDP")
+    add("--pipeline_parallel", type=int, default=1, metavar="P",
+        help="pipeline stages (pp): each holds consecutive blocks, the first the patch embedding, the last the head "
+             "and loss; microbatches flow through them (distributed/pipeline.py)")
+    add("--num_microbatches", type=int, default=None, metavar="M",
+        help="with --pipeline_parallel: microbatches of the local batch a step (default P; at least P)")
+    add("--pp_schedule", type=str, default=DEFAULT_PP_SCHEDULE, choices=PP_SCHEDULES,
+        help="with --pipeline_parallel: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward "
+             "after a warm-up: at most P microbatches' activations held)")
+    add("--pp_layers", type=str, default=None, metavar="N,N,...",
+        help="with --pipeline_parallel: blocks per stage, e.g. 5,6,6,7 (default: balanced by cost)")
     add("--dry_run", type=ranks, default=None, metavar="N",
         help="run one rank of this layout on N ranks in this one process (the others stand-ins whose collectives "
              "move no data) and print its memory and compute time instead of training (planning/dry_run.py); "

@@ -111,6 +111,7 @@ def start_run(args, params, grid, layout):
     `grid`: what comm.init() returned; every rank calls it. From here on the job is watched (resilience/)."""
     resilience.attach(comm.get_store(), args.collective_timeout)  # one line when the job stops, not a hang
     apply_overrides(params, args, dp_size=grid.size("dp"), dp_rank=grid.rank("dp"))
+    grid.layout.check(global_batch=params.global_batch_size)  # the pipeline's microbatches split the local batch
     signals.install()  # SIGTERM, SIGINT, SIGUSR1: stop at the next step boundary, with a checkpoint
     register_cleanup(signals.uninstall)
     if args.parallel == "dp" and comm.get_world_size() > 1:
@@ -205,6 +206,7 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     if isinstance(written_at, dict) and {**dataclasses.asdict(Layout()), **written_at} != dataclasses.asdict(
             run.grid.layout):
         grid = ", ".join(f"{name.upper()} = {written_at.get(name, '?')}" for name in ("dp", "tp", "cp"))
+        grid += f", PP = {written_at['pp']}" if written_at.get("pp", 1) > 1 else ""
         logging.info(f"The checkpoint was written at {grid}; resumed at {run.grid.describe()}")
     if start_iter >= run.params.num_iters:
         logging.info(f"This run already finished its {run.params.num_iters} iterations; "

@@ -80,6 +80,9 @@ def check_support(params, args, device, script):
                  "its all-to-alls of q, k, v and the attention's output")
         raise UserError(f"--cp_method {cp_method} is not supported in the captured step ({moves} have not been "
                         f"tried under capture); use --cp_method allgather, or {instead}")
+    if getattr(args, "pipeline_parallel", 1) > 1:  # a flag of the model-parallel scripts only
+        raise UserError("--pipeline_parallel is not supported in the captured step (a schedule of microbatches sent "
+                        f"and received between stages has not been tried under capture); use {instead}")
     if getattr(args, "dry_run", None) is not None:  # a flag of the model-parallel scripts only
         raise UserError("--dry_run measures the eager step of one rank; run it with train_mp.py")
     if getattr(args, "fsdp", False):

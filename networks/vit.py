@@ -8,7 +8,10 @@ recipe (distributed/parallelize.py): it swaps each block's attention, MLP and no
 distributed/layers.py, holding this rank's shard of the serial weights, and hands the model its cp and tp groups
 (`cp`, `tp`: Axes of the run's grid, size 1 here) with the split shapes and this cp rank's band of image rows: the
 forward pass embeds only the band holding this rank's tokens (distributed/bands.py), keeps those tokens, and gathers
-the sequence again before the head, no-ops on groups of one.
+the sequence again before the head, no-ops on groups of one. Under pipeline parallelism (distributed/pipeline.py)
+a rank keeps one stage: some consecutive blocks, with the patch embedding if it is the first stage (`first_stage`)
+and the final norm and head if it is the last (`last_stage`); a stage's input and output are then the tokens passed
+between stages.
 """
 import torch
 import torch.nn as nn
@@ -111,6 +114,7 @@ class VisionTransformer(nn.Module):
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
         self.out_chans = out_chans
+        self.embed_dim = embed_dim
         self.h = self.img_size[0] // patch_size
         self.w = self.img_size[1] // patch_size
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
@@ -130,13 +134,19 @@ class VisionTransformer(nn.Module):
         self.cp_shapes = [self.h * self.w]  # tokens per cp rank
         self.band = serial_band(self.h, self.w, patch_size)  # this cp rank's tokens and the image rows holding them
         self.sequence_shapes = None  # sequence parallelism: tokens per tp rank of this cp rank's chunk
+        self.first_stage = self.last_stage = True  # pipeline: this rank's stage embeds / ends in the head
+
+    def held_blocks(self):
+        """The blocks this rank runs: all of them, or its pipeline stage's (distributed/pipeline.py)."""
+        return [block for block in self.blocks if isinstance(block, Block)]
 
     def layout_facts(self):
         """What the layout's rules need to know of this ViT (utils/layout.py): heads and MLP width split over tp,
         tokens over cp, and dropout (refused with cp or sequence parallelism)."""
-        block = self.blocks[0]
-        return {"num_heads": block.attn.num_heads, "mlp_hidden": block.mlp.fc1.out_features,
-                "tokens": self.h * self.w, "dropout": self.pos_drop.p}
+        block = next((block for block in self.blocks if isinstance(block, Block)), None)  # a stage holds some
+        return {"num_heads": block.attn.num_heads if block else None,
+                "mlp_hidden": block.mlp.fc1.out_features if block else None,
+                "tokens": self.h * self.w, "dropout": self.pos_drop.p, "depth": len(self.blocks)}
 
     @staticmethod
     def _init_weights(module):
@@ -150,14 +160,18 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x):
         B = x.shape[0]
-        # context parallel: only the band of image rows holding this rank's tokens is embedded, then its own tokens
-        # are kept (the embedding's gradients are partial, summed over cp); serially the whole field, all tokens
-        x = self.patch_embed(self.band.cut(x)) + self.band.band_of(self.pos_embed)
-        x = self.band.own(self.pos_drop(x))
-        if self.sequence_shapes:  # sequence parallel: this tp rank's part of them, between the blocks
-            x = scatter_to_parallel_region(x, 1, self.tp)
-        for block in self.blocks:
+        if self.first_stage:  # (a pipeline stage other than the first receives the tokens)
+            # context parallel: only the band of image rows holding this rank's tokens is embedded, then its own
+            # tokens are kept (the embedding's gradients are partial, summed over cp); serially the whole field
+            x = self.patch_embed(self.band.cut(x)) + self.band.band_of(self.pos_embed)
+            x = self.band.own(self.pos_drop(x))
+            if self.sequence_shapes:  # sequence parallel: this tp rank's part of them, between the blocks
+                x = scatter_to_parallel_region(x, 1, self.tp)
+        for block in self.blocks:  # a pipeline stage's other blocks are placeholders that pass x on
             x = block(x)
+        if not self.last_stage:  # the tokens go on to the next stage
+            return x
+        # one function, not a method a part: a graph break at a collective (compile) stays one break
         if self.sequence_shapes:
             x = gather_from_parallel_region(x, 1, self.sequence_shapes, self.tp)
         x = gather_from_parallel_region(self.norm(x), 1, self.cp_shapes, self.cp)
@@ -177,7 +191,8 @@ def layout_facts(params):
     tokens over cp, and dropout (refused with cp or sequence parallelism)."""
     img_h, img_w = params.img_size
     return {"num_heads": params.num_heads, "mlp_hidden": mlp_hidden(params),
-            "tokens": (img_h // params.patch_size) * (img_w // params.patch_size), "dropout": params.dropout}
+            "tokens": (img_h // params.patch_size) * (img_w // params.patch_size), "dropout": params.dropout,
+            "depth": params.depth}
 
 
 def check_vit_params(params, layout=None):

@@ -53,6 +53,9 @@ def join(layout, rank):
     too_large = dry_run_refusal(layout.world_size)
     if too_large:
         raise UserError(f"--dry_run {too_large}")
+    if layout.pp > 1:  # a stage waits on its neighbours' sends, which stand-ins do not make
+        raise UserError("--dry_run of a pipeline stage is not built yet (its sends and receives need the other "
+                        "stages); dry-run the layout without --pipeline_parallel")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
         raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
                         f"{layout.world_size - 1}")

@@ -769,9 +769,15 @@ def predicted_memory_line(params, layout, ddp=True):
     logged after the second step: read it against the peak."""
     if params.get("model", "vit") != "vit":
         return "Performance model: no memory prediction (it covers the ViT)"
-    memory = memory_bytes(ViTShape.from_params(params), layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
-    return (f"Predicted memory of the tensors (planning/perf_model.py): {memory['after_forward'] / GIB:.6f} GB after "
-            f"the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")
+    shape = ViTShape.from_params(params)
+    if layout.pp > 1:  # rank 0 holds stage 0
+        memory = stage_memory_bytes(stage_shapes(shape, layout)[0], layout, params.local_batch_size,
+                                    params.amp_enabled, 0)
+    else:
+        memory = memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
+    stage = " of pipeline stage 0" if layout.pp > 1 else ""
+    return (f"Predicted memory of the tensors{stage} (planning/perf_model.py): {memory['after_forward'] / GIB:.6f} GB "
+            f"after the forward pass, {memory['peak'] / GIB:.6f} GB at the step's peak")
 
 
 # ---------------------------------------------------------------------------------------------------------------

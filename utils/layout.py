@@ -1,10 +1,12 @@
 """The parallel layout of a run, built once from the flags and checked in one place.
 
 A layout is how the job's ranks split the work: tp ranks split each layer's weights (tensor parallelism), cp ranks
-split each sample's tokens (context parallelism), and the dp = world / (tp x cp) groups of those each train on their
-own share of the batch (data parallelism). The order (first name fastest, utils/rank_generator.py) places the
-groups on the nodes. Three memory switches ride on it: sequence parallelism, activation checkpointing and FSDP; and
-how the cp ranks' attention meets the other ranks' keys and values (`cp_method`, distributed/context_parallel.py).
+split each sample's tokens (context parallelism), and the dp groups of those each train on their own share of the
+batch (data parallelism); pp ranks each hold a stage of consecutive blocks, through which microbatches
+flow (pipeline parallelism, distributed/pipeline.py: dp = world / (tp x cp x pp)). The order (first name
+fastest, utils/rank_generator.py) places the groups on the nodes; pp, if the order leaves it out, is the slowest.
+Three memory switches ride on it: sequence parallelism, activation checkpointing and FSDP; and how the cp ranks'
+attention meets the other ranks' keys and values (`cp_method`, distributed/context_parallel.py).
 
 Every rule a layout must obey is one function in RULES, here and nowhere else. A rule needs some facts about the
 run (the world size, the model's heads, the global batch, ...) and is checked wherever those facts are known:
@@ -22,6 +24,10 @@ DEFAULT_ORDER = "tp-cp-dp"
 # (the original's), pass them around a ring, or swap sequence shards for head shards with all-to-all (Ulysses)
 CP_METHODS = ("allgather", "ring", "alltoall")
 DEFAULT_CP_METHOD = CP_METHODS[0]
+# how a pipeline's stages order the forward and backward passes of the microbatches (distributed/pipeline.py): all
+# forwards then all backwards (GPipe), or one forward one backward after a warm-up (1F1B, the default)
+PP_SCHEDULES = ("gpipe", "1f1b")
+DEFAULT_PP_SCHEDULE = "1f1b"
 # A dry run (planning/dry_run.py) builds every process group of its world in this one process (comm._build_groups:
 # about 0.1 ms and 0.3 KB a rank on a CPU core; 2^17 ranks take about 10 s, 10^8 ranks would take hours and over
 # 20 GB): 2^17 = 131072 ranks, above the largest GPU jobs run today (about 100,000 GPUs), is as many as it stands in
@@ -52,7 +58,8 @@ class Axis:
 
 
 GROUP_SIZES = {"tp": lambda layout: layout.tp, "cp": lambda layout: layout.cp, "dp": lambda layout: layout.dp,
-               "tp-cp": lambda layout: layout.tp * layout.cp, "dp-cp": lambda layout: layout.dp * layout.cp}
+               "tp-cp": lambda layout: layout.tp * layout.cp, "dp-cp": lambda layout: layout.dp * layout.cp,
+               "pp": lambda layout: layout.pp, "tp-cp-pp": lambda layout: layout.tp * layout.cp * layout.pp}
 
 
 class Grid:
@@ -83,7 +90,8 @@ class Grid:
 
 @dataclass(frozen=True)
 class Layout:
-    """tp x cp x dp ranks laid out in `order` (first name fastest), and the memory switches of train_mp.py."""
+    """tp x cp x dp x pp ranks laid out in `order` (first name fastest), the memory switches of train_mp.py, and the
+    pipeline's microbatches, schedule and blocks per stage (None: balanced, distributed/pipeline.py)."""
     tp: int = 1
     cp: int = 1
     dp: int = 1
@@ -92,24 +100,33 @@ class Layout:
     checkpointing: bool = False
     fsdp: bool = False
     cp_method: str = DEFAULT_CP_METHOD
+    pp: int = 1
+    microbatches: int = 1
+    pp_schedule: str = DEFAULT_PP_SCHEDULE
+    pp_layers: tuple = None
 
     def __post_init__(self):
         self.check()  # the rules that need no fact
 
     @classmethod
     def for_world(cls, world_size, tp=1, cp=1, **switches):
-        """The layout of `world_size` ranks with these tp and cp: dp is what is left."""
+        """The layout of `world_size` ranks with these tp and cp (and pp, among the switches): dp is what is left."""
         Layout(tp=tp, cp=cp, **switches).check(world_size=world_size)
-        return cls(tp=tp, cp=cp, dp=world_size // (tp * cp), **switches)
+        return cls(tp=tp, cp=cp, dp=world_size // (tp * cp * switches.get("pp", 1)), **switches)
 
     @classmethod
     def from_flags(cls, args, world_size):
         """train_mp.py's layout: --tensor_parallel, --context_parallel, --parallel_order, --sequence_parallel,
-        --activation_checkpointing, --fsdp, --cp_method."""
+        --activation_checkpointing, --fsdp, --cp_method, --pipeline_parallel, --num_microbatches (default: as many as
+        stages), --pp_schedule, --pp_layers."""
+        pp = getattr(args, "pipeline_parallel", 1)
         return cls.for_world(world_size, args.tensor_parallel, args.context_parallel, order=args.parallel_order,
                              sequence_parallel=args.sequence_parallel, checkpointing=args.activation_checkpointing,
                              fsdp=getattr(args, "fsdp", False),
-                             cp_method=getattr(args, "cp_method", DEFAULT_CP_METHOD))
+                             cp_method=getattr(args, "cp_method", DEFAULT_CP_METHOD), pp=pp,
+                             microbatches=getattr(args, "num_microbatches", None) or pp,
+                             pp_schedule=getattr(args, "pp_schedule", DEFAULT_PP_SCHEDULE),
+                             pp_layers=parse_pp_layers(getattr(args, "pp_layers", None)))
 
     @classmethod
     def from_dict(cls, params, world_size):
@@ -121,7 +138,7 @@ class Layout:
 
     @property
     def world_size(self):
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def model_parallel(self):
@@ -130,7 +147,9 @@ class Layout:
 
     def grid(self):
         """The rank lists of every process group (utils/rank_generator.py)."""
-        return RankGenerator(tp=self.tp, dp=self.dp, pp=1, cp=self.cp, order=self.order)
+        named = self.pp == 1 or "pp" in str(self.order).lower().split("-")
+        order = self.order if named else f"{self.order}-pp"  # pp, unnamed: the slowest
+        return RankGenerator(tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp, order=order)
 
     def refusal(self, **facts):
         """The first broken rule's line among those whose facts are given (None: every one holds)."""
@@ -155,6 +174,10 @@ class Layout:
             flags.append(f"--parallel_order={self.order}")
         if self.cp_method != DEFAULT_CP_METHOD:
             flags.append(f"--cp_method={self.cp_method}")
+        if self.pp > 1:
+            flags += [f"--pipeline_parallel={self.pp}", f"--num_microbatches={self.microbatches}",
+                      f"--pp_schedule={self.pp_schedule}"]
+            flags += [f"--pp_layers={','.join(map(str, self.pp_layers))}"] if self.pp_layers else []
         return flags + [flag for flag, on in (("--sequence_parallel", self.sequence_parallel),
                                               ("--activation_checkpointing", self.checkpointing),
                                               ("--fsdp", self.fsdp)) if on]
@@ -162,7 +185,24 @@ class Layout:
     def describe(self):
         """The grid in one phrase (logged at start); the cp method only where it is not the default all-gather."""
         method = f" ({self.cp_method})" if self.cp_method != DEFAULT_CP_METHOD else ""
-        return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}{method}, PP = 1"
+        pipeline = f" ({self.pp_schedule}, {self.microbatches} microbatches)" if self.pp > 1 else ""
+        return f"DP = {self.dp}, TP = {self.tp}, CP = {self.cp}{method}, PP = {self.pp}{pipeline}"
+
+    @property
+    def name(self):
+        """The run directory's layout part: '<tp x cp>MP', and '<pp>PP' with a pipeline."""
+        return f"{self.model_parallel}MP" + (f"{self.pp}PP" if self.pp > 1 else "")
+
+
+def parse_pp_layers(text):
+    """--pp_layers '5,6,6,7' -> (5, 6, 6, 7); None stays None (balanced stages)."""
+    if text is None or isinstance(text, tuple):
+        return text
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise UserError(f"--pp_layers {text!r} is not a list of block counts; give one whole number a stage, joined "
+                        "by commas, e.g. 5,6,6,7") from None
 
 
 def dry_run_refusal(world_size):
@@ -178,7 +218,7 @@ def dry_run_refusal(world_size):
 
 @rule()
 def sizes_are_whole_numbers(layout):
-    for name in ("tp", "cp", "dp"):
+    for name in ("tp", "cp", "dp", "pp"):
         size = getattr(layout, name)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             return f"{name} is {size!r}; give a whole number of ranks, at least 1 (1 turns it off)"
@@ -210,13 +250,52 @@ def cp_method_is_known(layout):
     return None
 
 
+@rule()
+def pipeline_schedule_is_known(layout):
+    if layout.pp_schedule not in PP_SCHEDULES:
+        return (f"--pp_schedule {layout.pp_schedule!r} is not a pipeline schedule; choose one of "
+                f"{', '.join(PP_SCHEDULES)}")
+    return None
+
+
+@rule()
+def enough_microbatches_for_the_stages(layout):
+    if isinstance(layout.microbatches, bool) or not isinstance(layout.microbatches, int) or layout.microbatches < 1:
+        return f"--num_microbatches is {layout.microbatches!r}; give a whole number, at least 1"
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        return (f"--num_microbatches {layout.microbatches} is fewer than the {layout.pp} pipeline stages: a stage "
+                f"would wait for work that never comes to it in a step; give --num_microbatches {layout.pp} or more "
+                "(more microbatches, a smaller idle share)")
+    return None
+
+
+@rule()
+def stage_sizes_are_given_for_each_stage(layout):
+    if layout.pp_layers is not None and (len(layout.pp_layers) != layout.pp or min(layout.pp_layers) < 1):
+        return (f"--pp_layers {','.join(map(str, layout.pp_layers))} gives {len(layout.pp_layers)} stage(s) for "
+                f"--pipeline_parallel {layout.pp}; give {layout.pp} block counts, each at least 1")
+    return None
+
+
+@rule("depth")
+def stages_hold_the_blocks(layout, depth):
+    if layout.pp > 1 and layout.pp > depth:
+        return (f"--pipeline_parallel {layout.pp} is more stages than the model's {depth} blocks (each stage holds at "
+                f"least one); choose --pipeline_parallel {depth} or fewer")
+    if layout.pp > 1 and layout.pp_layers is not None and sum(layout.pp_layers) != depth:
+        return (f"--pp_layers {','.join(map(str, layout.pp_layers))} adds up to {sum(layout.pp_layers)} blocks; the "
+                f"model has {depth}; give counts that add up to {depth} (or leave --pp_layers out for balanced stages)")
+    return None
+
+
 @rule("world_size")
 def grid_divides_world(layout, world_size):
     if world_size % layout.world_size:
-        tp, cp = layout.tp, layout.cp
-        return (f"tp x cp = {tp} x {cp} = {tp * cp} does not divide the world size {world_size} (the number of "
-                f"ranks); launch a multiple of {tp * cp} ranks, or choose tp and cp whose product divides "
-                f"{world_size}")
+        tp, cp, pp = layout.tp, layout.cp, layout.pp
+        split, names = (tp * cp, f"tp x cp = {tp} x {cp}") if pp == 1 else (tp * cp * pp,
+                                                                          f"tp x cp x pp = {tp} x {cp} x {pp}")
+        return (f"{names} = {split} does not divide the world size {world_size} (the number of ranks); launch a "
+                f"multiple of {split} ranks, or choose sizes whose product divides {world_size}")
     return None
 
 
@@ -293,4 +372,9 @@ def batch_splits_over_dp(layout, global_batch):
     if global_batch % layout.dp or global_batch < layout.dp:
         return (f"cannot evenly distribute {global_batch} across {layout.dp} GPU: choose a global_batch_size "
                 "divisible by the number of data-parallel ranks, or set --local_batch_size")
+    local = global_batch // layout.dp
+    if layout.pp > 1 and local % layout.microbatches:
+        return (f"the local batch {local} (global {global_batch} over dp = {layout.dp}) does not split into "
+                f"--num_microbatches {layout.microbatches} equal microbatches; choose a local batch that is a "
+                f"multiple of {layout.microbatches} (--local_batch_size), or another --num_microbatches")
     return None

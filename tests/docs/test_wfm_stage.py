@@ -6,8 +6,10 @@
   range of its GB/s against a plain read;
 - the memory table (`make bench-cp-memory`: bench_results/cp_memory.json): each row's measured and predicted GB, a
   measured row only where the JSON has a measurement;
-- the planner's table: the same rows as docs/perf_model.md's (which tests/perf/test_perf_model_cp_methods.py holds to
-  the planner's output).
+- the planner's thresholds (where cp starts to pay, on A100s and H100s): docs/perf_model.md's (whose table
+  tests/perf/test_perf_model_cp_methods.py holds to the planner's output);
+- the pipeline step: each run of `make bench-wfm-pipeline` (bench_results/wfm_pipeline.json) as printed, and the
+  idle shares and held microbatches of `make bench-pipeline` (bench_results/pipeline_bubble.json) it quotes.
 Each check returns the figures that disagree; the twins change one figure in the text and must be caught.
 """
 import json
@@ -85,19 +87,46 @@ def memory_errors(text):
 
 
 def plan_errors(text):
-    docs = read("docs/perf_model.md")
-    rows = [line for line in text.splitlines() if re.match(r"\| [\d,]+ \(\d+\) \|", line)]
-    errors = [] if rows else ["the planner's table is not found"]
-    for line in rows:
-        tokens = line.split("|")[1].split("(")[0].strip()
-        cells = [cell.strip() for cell in line.split("|")[2:-1]]
-        docs_row = next((row for row in docs.splitlines() if row.startswith(f"| {tokens} |")), None)
-        if docs_row is None or [cell.strip() for cell in docs_row.split("|")[2:-1]] != cells:
-            errors.append(f"{tokens} tokens: {cells}, docs/perf_model.md: {docs_row}")
+    said = re.search(r"predicts cp paying from ([\d,]+) tokens on 64\s+of Perlmutter's A100s, from ([\d,]+) on H100s",
+                     text)
+    if not said:
+        return ["the planner's sentence is not found"]
+    docs = " ".join(read("docs/perf_model.md").split())
+    found = re.search(r"On 64 A100s every method starts to pay at ([\d,]+) tokens \(patch \d+\), on 64 H100s at "
+                      r"([\d,]+)", docs)
+    if not found:
+        return ["docs/perf_model.md's sentence on where cp starts to pay is not found"]
+    return [f"{gpu}: {figure} tokens, docs/perf_model.md {theirs}" for gpu, figure, theirs in
+            zip(("A100", "H100"), said.groups(), found.groups()) if figure != theirs]
+
+
+def pipeline_errors(text):
+    report = json.loads(read("bench_results/wfm_pipeline.json"))
+    errors = []
+    for row in report["rows"]:
+        line = (f"validation loss {row['val_loss']:.4f}; weights within {row['largest_weight_difference']:.1e} of the "
+                f"serial run's (largest: {row['largest_in']})")
+        if not re.search(rf"^ +{re.escape(line)} +# {re.escape(row['layout'])}$", text, re.M):
+            errors.append(f"{row['layout']}: {line}")
+    rows = json.loads(read("bench_results/pipeline_bubble.json"))["rows"]
+
+    def idle(microbatches, schedule):
+        return next(r["idle_share"] for r in rows if (r["stages"], r["microbatches"], r["schedule"], r["stage"]) ==
+                    (4, microbatches, schedule, 0))
+    held = ", ".join(str(r["in_flight"]) for r in sorted((r for r in rows if (r["stages"], r["microbatches"],
+                                                                               r["schedule"]) == (4, 16, "1f1b")),
+                                                          key=lambda r: r["stage"]))
+    sentence = (f"stage 0 idled {idle(4, '1f1b'):.2f} of the step at M = 4 (formula {3 / 7:.2f}), "
+                f"{idle(16, '1f1b'):.2f} at M = 16 ({3 / 19:.2f}), GPipe alike; GPipe held all M microbatches on each "
+                f"stage, 1F1B {held}")
+    if sentence not in " ".join(text.split()):
+        errors.append(f"the bubble: {sentence}")
+    if any(abs(idle(m, "gpipe") - idle(m, "1f1b")) > 0.02 for m in (4, 16)):  # "GPipe alike": within 0.02
+        errors.append("GPipe's idle share is not 1F1B's")
     return errors
 
 
-CHECKS = (method_errors, band_errors, memory_errors, plan_errors)
+CHECKS = (method_errors, band_errors, memory_errors, plan_errors, pipeline_errors)
 
 
 def test_every_figure_of_the_stage_is_its_files():
@@ -116,8 +145,9 @@ def test_twins_a_changed_figure_is_caught():
     changes = {
         method_errors: ("weights within 1.5e-07", "weights within 1.5e-08"),
         band_errors: ("42.4 at cp=4", "83.0 at cp=4"),
-        memory_errors: ("| 13.97 / 13.97 |", "| 13.97 / 14.97 |"),
-        plan_errors: ("| 2.44 |", "| 3.44 |"),
+        memory_errors: ("| 17.63 / 17.63 |", "| 17.63 / 18.63 |"),
+        plan_errors: ("from 28,800 on H100s", "from 28,000 on H100s"),
+        pipeline_errors: ("1F1B 4, 3, 2, 1", "1F1B 4, 4, 4, 4"),
     }
     for check, (old, new) in changes.items():
         assert old in text, (check.__name__, old)

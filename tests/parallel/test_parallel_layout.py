@@ -38,6 +38,14 @@ CASES = {
     "fsdp_shards_contiguous_weights": ({"fsdp": True}, {"channels_last": True}, "add --no-enable_nhwc",
                                        "parallelize"),
     "batch_splits_over_dp": ({"dp": 3}, {"global_batch": 8}, "cannot evenly distribute 8 across 3 GPU", "batch"),
+    "pipeline_schedule_is_known": ({"pp": 2, "microbatches": 2, "pp_schedule": "zb"}, {},
+                                   "--pp_schedule 'zb' is not a pipeline schedule", "layout"),
+    "enough_microbatches_for_the_stages": ({"pp": 4, "microbatches": 2}, {},
+                                           "--num_microbatches 2 is fewer than the 4 pipeline stages", "layout"),
+    "stage_sizes_are_given_for_each_stage": ({"pp": 2, "microbatches": 2, "pp_layers": (2, 1, 1)}, {},
+                                             "--pp_layers 2,1,1 gives 3 stage(s) for --pipeline_parallel 2", "layout"),
+    "stages_hold_the_blocks": ({"pp": 4, "microbatches": 4}, {"depth": 2},
+                               "--pipeline_parallel 4 is more stages than the model's 2 blocks", "vit"),
 }
 
 
@@ -82,7 +90,7 @@ def test_the_vit_asks_the_layout(name, monkeypatch):
     from networks.vit import ViT
     settings, facts, words, _ = CASES[name]
     changes = {"num_heads": {"num_heads": 6, "embed_dim": 48}, "mlp_hidden": {"mlp_ratio": 1022 / 32, "num_heads": 4},
-               "tokens": {"img_size": [8, 8]}, "dropout": {"dropout": 0.1}}[next(iter(facts))]
+               "tokens": {"img_size": [8, 8]}, "dropout": {"dropout": 0.1}, "depth": {"depth": 2}}[next(iter(facts))]
     with pytest.raises(UserError) as refused:
         ViT(_vit_params(**changes), Layout(**settings))
     assert words in str(refused.value)
@@ -152,3 +160,21 @@ def test_no_caller_keeps_a_copy_of_a_rule(tmp_path):
     assert refusals_outside_the_layout(REPO_ROOT, lines) == []
     (tmp_path / "plan.py").write_text(f"def check():\n    return {lines[4]!r}\n")
     assert refusals_outside_the_layout(str(tmp_path), lines) == [f"plan.py: {lines[4][:40]}"]
+
+
+def test_a_pipeline_layout_from_the_flags():
+    """--pipeline_parallel and its flags: dp is what tp x cp x pp leave; M defaults to P; pp is the slowest
+    dimension unless the order names it; the local batch must split into the microbatches (the batch rule's second
+    half, refused in one line; the twin: a batch that splits passes)."""
+    args = model_parallel_parser("t").parse_args(["--tensor_parallel", "2", "--pipeline_parallel", "2",
+                                                  "--pp_schedule", "gpipe", "--pp_layers", "1,3"])
+    built = Layout.from_flags(args, 8)
+    assert built == Layout(tp=2, dp=2, pp=2, microbatches=2, pp_schedule="gpipe", pp_layers=(1, 3))
+    assert built.grid().get_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]] and built.name == "2MP2PP"
+    assert built.flags()[-3:] == ["--num_microbatches=2", "--pp_schedule=gpipe", "--pp_layers=1,3"]
+    assert Layout(pp=2, microbatches=2, order="pp-tp-cp-dp").grid().get_ranks("pp") == [[0, 1]]
+    with pytest.raises(UserError, match="the local batch 6 .* does not split into --num_microbatches 4 equal"):
+        Layout(dp=2, pp=4, microbatches=4).check(global_batch=12)
+    Layout(dp=2, pp=4, microbatches=4).check(global_batch=16)
+    with pytest.raises(UserError, match="--pp_layers 'a,b' is not a list of block counts"):
+        Layout.from_flags(model_parallel_parser("t").parse_args(["--pipeline_parallel", "2", "--pp_layers", "a,b"]), 2)

@@ -33,6 +33,7 @@ from loop.meter import EpochMeter
 from task.optim import WarmupThenPlateau, cosine_with_warmup, make_capturable
 from tests.conftest import REPO_ROOT, free_port
 from utils import comm
+from utils.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
 STEPS = ["--num_iters", "8", "--stop_at_iter", "3"]  # 3 steps, stopped mid-epoch: no validation pass (CPU time)
@@ -159,6 +160,20 @@ def test_the_memory_flags_not_tried_under_capture_are_refused(emulated_graphs, e
                                              flag], capsys)
     assert line.startswith(f"error: {flag} is not supported in the captured step")
     assert line.endswith("use train_mp.py")
+
+
+def test_a_pipeline_is_refused_under_capture():
+    """--pipeline_parallel needs 2 ranks or more, so the refusal is asked of check_support itself (on a CUDA device:
+    the GPU check comes first); the twin: the same flags without the pipeline pass."""
+    from lifecycle.cli import model_parallel_parser
+    from loop.cuda_graphs import check_support
+    from utils.YParams import YParams
+    params = YParams("config/ViT.yaml", "tiny")
+    params.update({"amp_mode": "none", "enable_fused": False, "enable_jit": False})
+    parse = model_parallel_parser("t").parse_args
+    with pytest.raises(UserError, match="--pipeline_parallel is not supported in the captured step"):
+        check_support(params, parse(["--pipeline_parallel", "2"]), torch.device("cuda"), "train_mp_graphs.py")
+    check_support(params, parse([]), torch.device("cuda"), "train_mp_graphs.py")
 
 
 @pytest.mark.compat
