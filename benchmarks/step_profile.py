@@ -386,7 +386,7 @@ COMMITTED = {
     "vit_nw8": ("ViT short: 8 loader workers (fp32)", 3),
     "vit_nw8_bf16": ("ViT short: bf16, 8 workers", 0),
     "vit_nw8_bf16_fused_jit": ("ViT short: bf16 + fused Adam + torch.compile, 8 workers", 0),
-    "unet_baseline": ("UNet short: baseline (fp32, 2 loader workers)", 0),
+    "unet_baseline": ("UNet short: baseline (fp32, 2 loader workers), the loader before its rewrite", 0),
 }
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "example_logs", "profiles")
 MACHINE = "H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-27"
