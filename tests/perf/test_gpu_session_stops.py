@@ -52,11 +52,22 @@ def kill_all(mark):
             pass
 
 
+def as_a_terminal_starts_it():
+    """(In the session's process, before bash starts.) SIGINT and SIGQUIT back to their defaults, as a terminal's
+    foreground job has them. A command a non-interactive shell starts in the background (`make test-long &`, `nohup
+    ... &`) inherits them ignored, and neither bash (a signal ignored at its start cannot be trapped) nor Python (no
+    KeyboardInterrupt) would then stop on Ctrl-C: the tests below would fail when the suite itself runs in the
+    background, and pass in the foreground."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start(script, args, tmp_path, python=sys.executable):
     mark = uuid.uuid4().hex
     env = dict(os.environ, PYTHON=python, SESSION_MARK=mark, MULTI_WORK=str(tmp_path / "work"))
     process = subprocess.Popen(["bash", script, str(tmp_path / "out"), *args], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=as_a_terminal_starts_it)
     return process, mark
 
 
