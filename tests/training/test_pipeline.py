@@ -70,10 +70,6 @@ def run_pp(era5_dir, expdir, nproc, *more):
     return results(run_dir), result.stderr
 
 
-def stage_weight_difference(got, expected):
-    return max((got[1]["model"][name] - weight).abs().max().item() for name, weight in expected[1]["model"].items())
-
-
 def test_balanced_layers():
     """The cut whose most loaded stage carries the least, then the most even; the embedding's and head's costs move
     blocks off the first and last stages; what is still tied gives the earlier stages fewer blocks."""
