@@ -340,7 +340,9 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(era5_dir, tmp_path):
     test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exits_75.)"""
     from lifecycle.signals import INTERRUPTED
     process, log_path, _ = start_late(tmp_path, era5_dir, "save", 2000)
-    wait_until(process, log_path, lambda: "Starting Training Loop" in log_path.read_text(), "the loop")
+    # after steps (the first epoch's line): a stop at iteration 0 has nothing to save, so no checkpoint and no hold
+    # there (a signal sent at "Starting Training Loop" reached a loaded machine's run before its first step)
+    wait_until(process, log_path, lambda: "Time taken for epoch 1" in log_path.read_text(), "the first epoch")
     process.send_signal(signal.SIGINT)
     wait_until(process, log_path, lambda: "HOLD save" in log_path.read_text(), "the stop's checkpoint")
     process.send_signal(signal.SIGINT)
@@ -593,7 +595,9 @@ def test_a_second_ctrl_c_after_the_stop_s_checkpoint_is_ignored_and_the_run_exit
     Ctrl-C interrupts with 'stopped at once, without a checkpoint' (untrue) and SIGINT's status (130)."""
     from lifecycle import signals
     process, log_path, go = start_late(tmp_path, era5_dir, "finish exit", 2000, ending_off=switched_off)
-    wait_until(process, log_path, lambda: "Starting Training Loop" in log_path.read_text(), "the loop")
+    # after steps (the first epoch's line): a stop at iteration 0 has nothing to save, so no checkpoint and no hold
+    # there (a signal sent at "Starting Training Loop" reached a loaded machine's run before its first step)
+    wait_until(process, log_path, lambda: "Time taken for epoch 1" in log_path.read_text(), "the first epoch")
     process.send_signal(signal.SIGINT)
     wait_until(process, log_path, lambda: "HOLD finish" in log_path.read_text(), "the stop's checkpoint")
     assert "Checkpoint of iteration" in log_path.read_text()
