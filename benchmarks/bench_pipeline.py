@@ -65,19 +65,18 @@ class TimedPipeline(pipeline.Pipeline):
 
     busy = 0.0
 
-    def forward_one(self, *args):
+    def _timed(self, work, *args):
         start = time.perf_counter()
         try:
-            return super().forward_one(*args)
+            return work(*args)
         finally:
             self.busy += time.perf_counter() - start
 
+    def forward_one(self, *args):
+        return self._timed(super().forward_one, *args)
+
     def backward_one(self, *args):
-        start = time.perf_counter()
-        try:
-            return super().backward_one(*args)
-        finally:
-            self.busy += time.perf_counter() - start
+        return self._timed(super().backward_one, *args)
 
 
 def bubble(stages, microbatches):

@@ -50,40 +50,60 @@ def largest_difference(weights, serial):
     return max(((weights[name].float() - value.float()).abs().max().item(), name) for name, value in serial.items())
 
 
-def main(argv=None):
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
+def prepare(argv, description, out):
+    """The flags of this benchmark and of bench_wfm_pipeline.py, the sample data (written if the folder has none):
+    (args, the training flags every run shares)."""
+    parser = ArgumentParser(description=description)
     parser.add_argument("--data_dir", default="data/era5_wfm_tiny")
     parser.add_argument("--iters", type=int, default=32, help="training steps of each run (32: one epoch)")
-    parser.add_argument("--out", default="bench_results/wfm_methods.json")
+    parser.add_argument("--out", default=out)
     args = parser.parse_args(argv)
     if not os.path.isdir(os.path.join(args.data_dir, "train")):
         print(f"writing 25 x 48 sample data to {args.data_dir} ...", flush=True)
         subprocess.run([sys.executable, "-m", "sample_data", "era5", "--out", args.data_dir, "--height", "25",
                         "--width", "48"], check=True)
-    common = ["--config", "wfm_tiny", "--data_dir", args.data_dir, "--num_iters", str(args.iters)]
+    return args, ["--config", "wfm_tiny", "--data_dir", args.data_dir, "--num_iters", str(args.iters)]
+
+
+def serial_run(work, common, iters):
+    """train.py's run in `work`: (its validation loss, its weights)."""
+    print(f"serial: python train.py --config wfm_tiny --num_iters {iters} ...", flush=True)
+    run([sys.executable, "train.py", *common, "--expdir", os.path.join(work, "serial")],
+        os.path.join(work, "serial.log"))
+    loss, weights = summary(os.path.join(work, "serial", "wfm_tiny", "1GPU", "00"))
+    print(f"  validation loss {loss:.4f}", flush=True)
+    return loss, weights
+
+
+def compared(run_dir, serial):
+    """{val_loss, largest_weight_difference, largest_in} of a finished run against the serial weights, printed."""
+    loss, weights = summary(run_dir)
+    difference, name = largest_difference(weights, serial)
+    print(f"  validation loss {loss:.4f}; weights within {difference:.1e} of the serial run's (largest: {name})",
+          flush=True)
+    return {"val_loss": loss, "largest_weight_difference": difference, "largest_in": name}
+
+
+def write_report(args, serial_loss, rows):
+    write_json(args.out, {"machine": machine(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                          "config": "wfm_tiny", "iters": args.iters, "serial_val_loss": serial_loss, "rows": rows})
+    print(f"wrote {args.out}")
+
+
+def main(argv=None):
+    args, common = prepare(argv, __doc__.splitlines()[0], "bench_results/wfm_methods.json")
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        print(f"serial: python train.py --config wfm_tiny --num_iters {args.iters} ...", flush=True)
-        run([sys.executable, "train.py", *common, "--expdir", os.path.join(work, "serial")],
-            os.path.join(work, "serial.log"))
-        serial_loss, serial = summary(os.path.join(work, "serial", "wfm_tiny", "1GPU", "00"))
-        print(f"  validation loss {serial_loss:.4f}", flush=True)
+        serial_loss, serial = serial_run(work, common, args.iters)
         for method in METHODS:
             print(f"cp={CP} {method}: torchrun --nproc_per_node {CP} train_mp.py --config wfm_tiny --context_parallel "
                   f"{CP} --cp_method {method} ...", flush=True)
             run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(CP),
                  "train_mp.py", *common, "--context_parallel", str(CP), "--cp_method", method, "--expdir",
                  os.path.join(work, method)], os.path.join(work, f"{method}.log"))
-            loss, weights = summary(os.path.join(work, method, "wfm_tiny", f"{CP}MP", "00"))
-            difference, name = largest_difference(weights, serial)
-            rows.append({"method": method, "cp": CP, "val_loss": loss, "largest_weight_difference": difference,
-                         "largest_in": name})
-            print(f"  validation loss {loss:.4f}; weights within {difference:.1e} of the serial run's (largest: "
-                  f"{name})", flush=True)
-    write_json(args.out, {"machine": machine(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                          "config": "wfm_tiny", "iters": args.iters,
-                          "serial_val_loss": serial_loss, "rows": rows})
-    print(f"wrote {args.out}")
+            rows.append({"method": method, "cp": CP,
+                         **compared(os.path.join(work, method, "wfm_tiny", f"{CP}MP", "00"), serial)})
+    write_report(args, serial_loss, rows)
     return 0
 
 

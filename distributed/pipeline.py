@@ -70,16 +70,21 @@ def balanced_layers(depth, stages, embed_cost=0.0, head_cost=0.0):
     return cut(0, stages)[1]
 
 
+def cost_ratios(embed_dim, tokens, hidden, in_channels, out_channels, patch_size):
+    """(embedding, head) cost in blocks: their forward and backward FLOPs over one block's, counted as the planner
+    counts them (planning/perf_model.py: flops_per_sample, block_flops_per_sample; every token, bidirectional
+    attention). The planner's stage_cost_ratios calls this with a config's shape, stage_costs with a model's."""
+    d, t, patch = embed_dim, tokens, patch_size ** 2
+    block = 3 * (2 * t * (4 * d * d + 2 * d * hidden) + 4 * t * t * d)
+    embed = 2 * (2 * t * d * in_channels * patch)
+    head = 3 * (2 * t * d * out_channels * patch)
+    return embed / block, head / block
+
+
 def stage_costs(model):
-    """(embedding, head) cost of the serial ViT `model`, in blocks: their forward and backward FLOPs over one
-    block's, as the planner counts them (planning/perf_model.py: flops_per_sample, block_flops_per_sample)."""
-    block = model.held_blocks()[0]
-    d, tokens, patch = model.embed_dim, model.h * model.w, model.patch_size ** 2
-    hidden = block.mlp.fc1.out_features
-    block_flops = 3 * (2 * tokens * (4 * d * d + 2 * d * hidden) + 4 * tokens * tokens * d)
-    embed = 2 * (2 * tokens * d * model.patch_embed.proj.in_channels * patch)
-    head = 3 * (2 * tokens * d * model.out_chans * patch)
-    return embed / block_flops, head / block_flops
+    """cost_ratios of the serial ViT `model`."""
+    return cost_ratios(model.embed_dim, model.h * model.w, model.held_blocks()[0].mlp.fc1.out_features,
+                       model.patch_embed.proj.in_channels, model.out_chans, model.patch_size)
 
 
 def keep_stage(model, layout, pp):

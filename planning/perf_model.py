@@ -786,13 +786,11 @@ def predicted_memory_line(params, layout, ddp=True):
 # microbatches through them.
 
 def stage_cost_ratios(shape):
-    """(embedding, head) cost in blocks, as distributed/pipeline.stage_costs counts them on the serial model: their
-    forward and backward FLOPs over one block's (every token, bidirectional attention)."""
-    d, t, patch = shape.embed_dim, shape.tokens, shape.patch_size ** 2
-    block = 3 * (2 * t * (4 * d * d + 2 * d * shape.hidden) + 4 * t * t * d)
-    embed = 2 * (2 * t * d * shape.in_channels * patch)
-    head = 3 * (2 * t * d * shape.out_channels * patch)
-    return embed / block, head / block
+    """(embedding, head) cost in blocks of a config's shape, as distributed/pipeline.stage_costs counts them on the
+    serial model (the one formula: pipeline.cost_ratios)."""
+    from distributed.pipeline import cost_ratios  # torch.distributed: only where a pipeline is planned
+    return cost_ratios(shape.embed_dim, shape.tokens, shape.hidden, shape.in_channels, shape.out_channels,
+                       shape.patch_size)
 
 
 def stage_layers(shape, layout):

@@ -32,14 +32,21 @@ def stage(readme=None):
     return text[start:end if end >= 0 else len(text)]
 
 
-def method_errors(text):
-    report = json.loads(read("bench_results/wfm_methods.json"))
+def printed_run_errors(text, rows, label):
+    """The runs' lines as the benchmarks print them (bench_wfm_methods.compared), each tagged `# <label>` in README's
+    output block; one error a run whose line is not there."""
     errors = []
-    for row in report["rows"]:
+    for row in rows:
         line = (f"validation loss {row['val_loss']:.4f}; weights within {row['largest_weight_difference']:.1e} of the "
                 f"serial run's (largest: {row['largest_in']})")
-        if not re.search(rf"^ +{re.escape(line)} +# {row['method']}$", text, re.M):
-            errors.append(f"{row['method']}: {line}")
+        if not re.search(rf"^ +{re.escape(line)} +# {re.escape(row[label])}$", text, re.M):
+            errors.append(f"{row[label]}: {line}")
+    return errors
+
+
+def method_errors(text):
+    report = json.loads(read("bench_results/wfm_methods.json"))
+    errors = printed_run_errors(text, report["rows"], "method")
     if f"serially (validation loss {report['serial_val_loss']:.4f})" not in text:
         errors.append(f"serial: {report['serial_val_loss']:.4f}")
     return errors
@@ -101,13 +108,7 @@ def plan_errors(text):
 
 
 def pipeline_errors(text):
-    report = json.loads(read("bench_results/wfm_pipeline.json"))
-    errors = []
-    for row in report["rows"]:
-        line = (f"validation loss {row['val_loss']:.4f}; weights within {row['largest_weight_difference']:.1e} of the "
-                f"serial run's (largest: {row['largest_in']})")
-        if not re.search(rf"^ +{re.escape(line)} +# {re.escape(row['layout'])}$", text, re.M):
-            errors.append(f"{row['layout']}: {line}")
+    errors = printed_run_errors(text, json.loads(read("bench_results/wfm_pipeline.json"))["rows"], "layout")
     rows = json.loads(read("bench_results/pipeline_bubble.json"))["rows"]
 
     def idle(microbatches, schedule):
