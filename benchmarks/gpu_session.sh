@@ -2,7 +2,8 @@
 # What a GPU node measures for this repository's open work (issue #39), most important first, within 9 minutes of one
 # H100, each part with a deadline (seconds from the start) and its JSON written as it goes, so a part cut short keeps
 # what it measured and the next part still runs:
-#   1. the CUDA-only tests of the loaders (the cosmology crops turned on the GPU, the ring's page-locked copies);
+#   1. the CUDA-only tests of the loaders (the cosmology crops turned on the GPU, the ring's page-locked copies),
+#      then of ring attention's block kernels (CUDA's efficient attention against plain math, issue #59 item 2);
 #   2. the UNet `short` rows of the single-GPU table (benchmarks/gpu_table.py) that compare on one card: fp16 + fused
 #      Adam with 8 workers, the same compiled, fp32 with the config's 2 workers, and last fp16 + fused with
 #      channels_last_3d (on the H100 twice cut by a deadline after 41 s and 55 s: last, so it delays no other row);
@@ -166,8 +167,10 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
     era5=$!
     part "loader tests on the GPU" 50 "$py" -m pytest -q -m gpu tests/datasets tests/gpu/test_gpu.py -k "cosmo or ring" \
         -p no:cacheprovider
+    part "ring attention's CUDA kernels" 70 "$py" -m pytest -q -m gpu tests/parallel/test_context_parallel_kernels.py \
+        -p no:cacheprovider
     if [[ " ${check[*]-} " != *" --allow-cpu "* ]]; then  # NCCL's one-rank paths (benchmarks/nccl_one_rank.py)
-        part "NCCL on one rank" 75 "$py" -m benchmarks.nccl_one_rank --out "$dir/nccl_one_rank.json"
+        part "NCCL on one rank" 90 "$py" -m benchmarks.nccl_one_rank --out "$dir/nccl_one_rank.json"
     fi
     part "UNet rows" 330 "$py" -m benchmarks.gpu_table ${check[@]+"${check[@]}"} --merge --rows "$UNET_ROWS" \
         --out "$dir/single_gpu_table.json"

@@ -28,13 +28,15 @@ rank knows each block's length from the split shapes, so blocks are sent and rec
 padding).
 
 Which kernel runs where. A ring block's attention must return its log-sum-exp, and its backward must take the whole
-attention's output and log-sum-exp; F.scaled_dot_product_attention returns neither. On a CPU it runs in torch's
-flash-attention kernel for CPUs, which does (aten._scaled_dot_product_flash_attention_for_cpu and its backward, in
-torch 2.5 and 2.14; blocks merged in fp32). On a GPU, in this step, it runs in plain math (q k^T x scale, its
-log-sum-exp, softmax, @ v, in fp32 whatever the inputs' dtype, autocast off inside), which holds a block's scores
-(queries x block tokens) in memory; CUDA's kernels that return the log-sum-exp (efficient and flash attention) are
-not used yet: no GPU has run this code. The tests run the plain math on the CPU too (BLOCK_KERNEL off). all-to-all
-and all-gather call F.scaled_dot_product_attention, the library's choice per device (cuDNN, flash or efficient
+attention's output and log-sum-exp; F.scaled_dot_product_attention returns neither, so the ring calls the kernels
+under it (block_kernel chooses, once per forward): on a CPU torch's flash-attention kernel for CPUs
+(aten._scaled_dot_product_flash_attention_for_cpu and its backward; the same signatures in torch 2.5 and 2.14); on an
+NVIDIA GPU CUDA's memory-efficient attention (aten._scaled_dot_product_efficient_attention and its backward; fp32,
+fp16 or bf16, head_dim a multiple of 8), which no GPU has run here yet (its test is marked gpu). Elsewhere (other
+dtypes or head sizes, ROCm, a kernel switched off by --sdpa_backend) plain math: q k^T x scale, its log-sum-exp,
+softmax, @ v, in fp32 whatever the inputs' dtype, which holds a block's scores (queries x block tokens) in memory.
+Blocks merge in fp32, autocast off inside. FlashAttention's CUDA kernel (fp16/bf16 only) is not used. all-to-all and
+all-gather call F.scaled_dot_product_attention, the library's choice per device (cuDNN, flash or efficient
 attention on a GPU, flash attention for CPUs on a CPU). Attention dropout is refused with cp > 1 (a rule of the
 layout), so the ring has none.
 
@@ -54,9 +56,8 @@ from distributed.helpers import axis_of
 RESCALE = True  # ring: the running result rescaled to the new log-sum-exp as blocks merge (tests switch it off)
 EACH_BLOCK_ONCE = True  # ring: off, the own block is taken again in place of the first block received (tests)
 HEADS_IN_ORDER = True  # all-to-all: off, the head shards come back in reversed rank order (tests)
-# ring: a block's attention in the library's kernel that returns the log-sum-exp where there is one in use (torch's
-# flash attention for CPUs, forward and backward); off, plain math on every device (tests run it on the CPU: the math
-# a GPU runs in this step)
+# ring: a block's attention in a library kernel that returns the log-sum-exp where one applies (block_kernel); off,
+# plain math on every device (the tests' reference, run on the CPU)
 BLOCK_KERNEL = True
 
 
@@ -127,17 +128,56 @@ class _Ring:
         return _Transfer(requests, block, received)
 
 
-def _kernel_for(q):
-    """Whether a block's attention runs in the library's kernel that returns the log-sum-exp (torch's flash attention
-    for CPUs), else in plain math (BLOCK_KERNEL off, or another device)."""
-    return BLOCK_KERNEL and q.device.type == "cpu"
+def block_kernel(q):
+    """The kernel a ring block's attention runs in (forward and backward), by device, dtype and the attention kernels
+    torch is let run (--sdpa_backend's switches, lifecycle/kernels.py): "cpu_flash", torch's flash attention for CPUs;
+    "cuda_efficient", CUDA's memory-efficient attention (fp32, fp16 or bf16, head_dim a multiple of 8: SDPA's own
+    conditions for it); else "math", plain math in fp32 (BLOCK_KERNEL off: everywhere)."""
+    if not BLOCK_KERNEL:
+        return "math"
+    if q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled():  # the switch covers the CPU's kernel too
+        return "cpu_flash"
+    if (q.device.type == "cuda" and not torch.version.hip and torch.backends.cuda.mem_efficient_sdp_enabled()
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0):
+        return "cuda_efficient"
+    return "math"
 
 
-def block_attention(q, k, v, scale):
+def _cpu_flash(q, k, v, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+
+
+def _cpu_flash_backward(q, k, v, grad_out, out, lse, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0,
+                                                                                False, scale=scale)
+
+
+def _cuda_efficient(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
+                                                                       scale=scale)[:2]
+    return out, lse[..., :q.shape[-2]]  # the kernel pads each row of log-sum-exps to a multiple of 32 queries
+
+
+def _cuda_efficient_backward(q, k, v, grad_out, out, lse, scale):
+    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the length its forward returns, as torch's own backward is given
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel reads out as (B, tokens, heads, head_dim)
+    no_dropout = torch.empty((), dtype=torch.long)  # dropout's seed and offset, unused at p = 0
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, no_dropout, no_dropout, 0.0, [True, True, True, False], False,
+        scale=scale)[:3]
+
+
+_KERNELS = {"cpu_flash": (_cpu_flash, _cpu_flash_backward),  # block_kernel's name: (forward, backward)
+            "cuda_efficient": (_cuda_efficient, _cuda_efficient_backward)}
+
+
+def block_attention(q, k, v, scale, kernel=None):
     """Attention of the queries `q` over one block of keys and values: the output (normalised over this block, fp32)
-    and the log-sum-exp of each query's scores (B, heads, queries; fp32), which merge_blocks needs."""
-    if _kernel_for(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    and the log-sum-exp of each query's scores (B, heads, queries; fp32), which merge_blocks needs. `kernel`: one of
+    block_kernel's answers (None: its answer for `q`); "math" is the reference the kernels are tested against."""
+    kernel = kernel or block_kernel(q)
+    if kernel != "math":
+        out, lse = _KERNELS[kernel][0](q, k, v, scale)
         return out.float(), lse
     q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -156,13 +196,14 @@ def merge_blocks(out, lse, block_out, block_lse):
     return out * running + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1), new_lse
 
 
-def block_gradients(q, k, v, grad_out, out, lse, scale):
-    """One block's part of dQ, dK, dV (fp32), given the whole attention's output `out` and log-sum-exp `lse`: the
-    softmax probabilities of the block are exp(scores - lse), exact without the other blocks, and the softmax
-    backward's term is rowsum(dO * O) of the whole output."""
-    if _kernel_for(q):
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, scale=scale)
+def block_gradients(q, k, v, grad_out, out, lse, scale, kernel=None):
+    """One block's part of dQ, dK, dV (fp32), given the whole attention's output `out` and log-sum-exp `lse` (not the
+    block's own): the softmax probabilities of the block are exp(scores - lse), exact without the other blocks, and
+    the softmax backward's term is rowsum(dO * O) of the whole output. A kernel's backward is handed the same two,
+    in place of those of its own forward (ring flash attention's way). `kernel`: as block_attention's."""
+    kernel = kernel or block_kernel(q)
+    if kernel != "math":
+        grads = _KERNELS[kernel][1](q, k, v, grad_out, out, lse, scale)
         return tuple(grad.float() for grad in grads)
     q, k, v, grad_out = q.float(), k.float(), v.float(), grad_out.float()
     delta = (grad_out * out.float()).sum(-1)
@@ -186,19 +227,19 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, shapes, axis):
-        ring, scale = _Ring(axis, shapes), q.shape[-1] ** -0.5
+        ring, scale, kernel = _Ring(axis, shapes), q.shape[-1] ** -0.5, block_kernel(q)
         with _without_autocast(q.device):
             own = torch.stack([k, v])  # K and V travel as one message: (2, B, heads, tokens, head_dim)
             held, out, lse = own, None, None
             for step in range(axis.size):
                 transfer = ring.pass_on(held, step) if step < axis.size - 1 else None  # in flight meanwhile
                 block = _block_at(step, own, held)
-                out, lse = merge_blocks(out, lse, *block_attention(q, block[0], block[1], scale))
+                out, lse = merge_blocks(out, lse, *block_attention(q, block[0], block[1], scale, kernel))
                 if transfer is not None:
                     held = transfer.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # this rank's block only, and its queries' results
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
         return out
 
     @staticmethod
@@ -210,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
             held, grad_q, sums = torch.stack([k, v]), torch.zeros(q.shape, device=q.device), None
             for step in range(size):
                 transfer = ring.pass_on(held, step) if step < size - 1 else None
-                part_q, part_k, part_v = block_gradients(q, held[0], held[1], grad_out, out, lse, scale)
+                part_q, part_k, part_v = block_gradients(q, held[0], held[1], grad_out, out, lse, scale, ctx.kernel)
                 grad_q += part_q
                 grad_kv = torch.stack([part_k, part_v])  # this rank's part of the held block's dK, dV
                 if sums is not None:  # the ranks before this one on the ring added theirs: one step behind
