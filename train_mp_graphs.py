@@ -142,9 +142,9 @@ def main(argv=None):
 
     def checkpoint(iters):
         meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
-        # gathered to the serial layout on every rank (collective), written by rank 0
-        save(run, serial_state.serial_state_dict(raw_model), serial_state.serial_optimizer_state(raw_model, optimizer),
-             scheduler, scaler, iters, meter)
+        # gathered to the serial layout and written by rank 0, or each rank its part (collective; serial_state.py)
+        save(run, *serial_state.checkpoint_states(raw_model, optimizer, args.checkpoint_format), scheduler, scaler,
+             iters, meter)
 
     logging.info("Starting Training Loop...")
     iters, stop = start_iter, milestones.stop(start_iter)

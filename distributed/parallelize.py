@@ -73,6 +73,7 @@ def parallelize(model, grid, device, options=Options()):
     facts = model.layout_facts() if hasattr(model, "layout_facts") else {}  # the ViT's heads, width, tokens, dropout
     layout.check(**facts, noddp=not options.ddp.enabled, channels_last=options.channels_last)
     raw = model
+    model.serial_numel = sum(param.numel() for param in model.parameters())  # checkpoints: serial or sharded
     if layout.pp > 1:
         keep_stage(model, layout, grid["pp"])  # 0
     if layout.model_parallel > 1:

@@ -8,6 +8,11 @@ Under FSDP (--fsdp) each tensor is first gathered over dp (a DTensor's full_tens
 dp shard (distribute_tensor like the parameter). Under pipeline parallelism (distributed/pipeline.py) each stage
 holds some of the serial names: saving sends each stage's tensors to every stage (over "pp"), loading takes the
 names of this rank's stage. Gathering is collective: every rank calls these functions in the same order.
+
+A model too large to gather on one rank writes a sharded checkpoint instead (`--checkpoint_format sharded`, the
+default from lifecycle/shards.SHARD_ABOVE parameters): each rank hands over its tensors as boxes of the serial ones
+(`box`: the serial name and shape, where the rank's part starts, its values), writes its own part, and loads only
+the boxes its own layout needs, from any layout's checkpoint (lifecycle/shards.py).
 """
 import json
 import re
@@ -18,7 +23,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distributed.helpers import gather
 from distributed.layers import DistributedLayerNorm, DistributedMatmul
+from lifecycle import shards
 from lifecycle.checkpoint import load_model_state
+from utils.errors import UserError
 
 
 def _owner(model, name):
@@ -65,6 +72,103 @@ def from_serial(model, name, tensor):
     return tensor
 
 
+def box(model, name, tensor):
+    """(serial name, serial shape, offsets, values): where this rank's `tensor` of parameter `name` lies in the serial
+    tensor. A DistributedMatmul's weight is a block of rows (column-parallel) or columns (row-parallel), its bias a
+    run of the serial bias; under FSDP the rank holds rows of that (torch.chunk's split of the first dimension over
+    dp, as DTensor's Shard(0)); anything else is whole."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    shape, offsets = list(tensor.shape), [0] * tensor.dim()
+    if isinstance(tensor, DTensor) and tensor.dim():  # FSDP: this rank's rows of the (tp-local) parameter
+        ranks, coordinate = tensor.device_mesh.size(), tensor.device_mesh.get_coordinate()[0]
+        rows = -(-shape[0] // ranks)
+        offsets[0] = min(coordinate * rows, shape[0])
+        if local.shape[0] != max(0, min(rows, shape[0] - offsets[0])):
+            raise RuntimeError(f"{name}: FSDP's shard of {tuple(local.shape)} is not torch.chunk's rows")
+    module, attr = _owner(model, name)
+    if isinstance(module, DistributedMatmul):
+        if attr == "weight":
+            shape = [shape[0] * module.out.size, shape[1] * module.inp.size]
+            offsets = [offsets[0] + module.out.rank * tensor.shape[0], module.inp.rank * tensor.shape[1]]
+        else:  # a (1, 1, n) bias: n features of the serial bias (under FSDP, rank 0 of dp holds it)
+            count = tensor.shape[-1]
+            shape, offsets, local = [count * module.out.size], [module.out.rank * count], local.reshape(-1)
+    return serial_name(model, name), shape, offsets, local
+
+
+def checkpoint_states(model, optimizer, checkpoint_format="auto", boxes_only=False):
+    """(model state, optimizer state) for lifecycle/run.save: the serial ones, gathered (serial_state_dict,
+    serial_optimizer_state), or, with `checkpoint_format` "sharded" (or "auto" and a model of shards.SHARD_ABOVE
+    parameters or more), this rank's boxes of both (a shards.ToWrite), which it writes itself. `boxes_only` (a dry
+    run's count): (None, None) instead of gathering the serial states."""
+    sharded = checkpoint_format == "sharded" or (
+        checkpoint_format == "auto" and getattr(model, "serial_numel", 0) >= shards.SHARD_ABOVE)
+    if not sharded:
+        return (None, None) if boxes_only else (serial_state_dict(model), serial_optimizer_state(model, optimizer))
+    boxes = []
+    for name, tensor in model.state_dict().items():
+        key, shape, offsets, local = box(model, name, tensor.detach())
+        boxes.append(shards.Box("model/" + key, shape, offsets, local))
+    parameters = dict(model.named_parameters())
+    for name, param in parameters.items():
+        key, shape, offsets, _ = box(model, name, param.detach())
+        for slot, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim():
+                _, _, _, local = box(model, name, value)
+                boxes.append(shards.Box(f"optimizer/{key}/{slot}", shape, offsets, local))
+            elif torch.is_tensor(value):  # Adam's step count
+                boxes.append(shards.Box(f"optimizer/{key}/{slot}", [], [], value))
+    order = getattr(model, "serial_parameter_names", None) or [serial_name(model, name) for name in parameters]
+    groups = [{**group, "params": list(range(len(order)))} for group in optimizer.state_dict()["param_groups"]]
+    return shards.ToWrite(boxes, {"order": order, "param_groups": groups}), None
+
+
+def _load_boxes(model, state, path):
+    """Load this rank's boxes of a sharded checkpoint's model state (shards.ModelShards) into `model`; one line
+    naming the first tensor that does not fit."""
+    local, mine = {}, set()
+    for name, tensor in model.state_dict().items():
+        key, shape, offsets, part = box(model, name, tensor)
+        mine.add(key)
+        if key not in state:
+            raise UserError(f"checkpoint '{path}' has no '{key}'; it was written for another model or config")
+        if tuple(state.shape(key)) != tuple(shape):
+            raise UserError(f"checkpoint '{path}' holds '{key}' of shape {tuple(state.shape(key))}, but this "
+                            f"config's model has {tuple(shape)}; resume with the config that wrote it, or start a "
+                            "new --run_num")
+        local[name] = _like(tensor, state.read(key, offsets, part.shape))
+    unexpected = sorted(key for key in state if key not in mine and not _other_stage(model, key))
+    if unexpected:
+        raise UserError(f"checkpoint '{path}' holds '{unexpected[0]}', which this config's model does not have; "
+                        "resume with the config that wrote it, or start a new --run_num")
+    model.load_state_dict(local)
+
+
+def _like(tensor, part):
+    """`part` (this rank's box, read) in the form of the model's `tensor`: its shape and, under FSDP, a DTensor."""
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(part.reshape(tensor.to_local().shape).to(tensor.device), tensor.device_mesh,
+                                  tensor.placements, shape=tensor.shape, stride=tensor.stride())
+    return part.reshape(tensor.shape)
+
+
+def _load_optimizer_boxes(model, optimizer, state):
+    """Load this rank's boxes of a sharded checkpoint's optimizer state (shards.OptimizerShards)."""
+    found = {}
+    for index, (name, param) in enumerate(model.named_parameters()):
+        key, _, offsets, part = box(model, name, param.detach())
+        slots = {}
+        for slot in state.slots(key):
+            if state.shape(key, slot) == ():  # Adam's step count
+                slots[slot] = state.read(key, slot)
+            else:
+                slots[slot] = _like(param.detach(), state.read(key, slot, offsets, part.shape))
+        if slots:
+            found[index] = slots
+    groups = [{**group, "params": list(range(len(list(model.parameters()))))} for group in state.param_groups]
+    optimizer.load_state_dict({"state": found, "param_groups": groups})
+
+
 def serial_state_dict(model):
     """model.state_dict() as the serial model would hold it (collective)."""
     return _from_every_stage(model, {serial_name(model, name): to_serial(model, name, tensor.detach())
@@ -72,7 +176,10 @@ def serial_state_dict(model):
 
 
 def load_serial_state_dict(model, state, path):
-    """Load a serial state dict into a (possibly distributed) model; one line naming the first misfit."""
+    """Load a serial state dict into a (possibly distributed) model; one line naming the first misfit. A sharded
+    checkpoint's state: this rank reads its boxes only."""
+    if isinstance(state, shards.ModelShards):
+        return _load_boxes(model, state, path)
     load_model_state(model, {name: tensor for name, tensor in state.items() if not _other_stage(model, name)},
                      path, saved_name=lambda name: serial_name(model, name),
                      shard=lambda name, tensor: from_serial(model, name, tensor))
@@ -107,6 +214,8 @@ def serial_optimizer_state(model, optimizer):
 
 def load_serial_optimizer_state(model, optimizer, state_dict):
     """Load an optimizer state of the serial layout into the optimizer of a (possibly distributed) model."""
+    if isinstance(state_dict, shards.OptimizerShards):
+        return _load_optimizer_boxes(model, optimizer, state_dict)
     if getattr(model, "pp", None) is not None and model.pp.size > 1:  # this stage's parameters, renumbered
         order, names = model.serial_parameter_names, [serial_name(model, n) for n, _ in model.named_parameters()]
         state = {names.index(order[index]): values for index, values in state_dict["state"].items()

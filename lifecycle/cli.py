@@ -130,6 +130,10 @@ def model_parallel_parser(description):
              "after a warm-up: at most P microbatches' activations held)")
     add("--pp_layers", type=str, default=None, metavar="N,N,...",
         help="with --pipeline_parallel: blocks per stage, e.g. 5,6,6,7 (default: balanced by cost)")
+    add("--checkpoint_format", type=str, default="auto", choices=("auto", "serial", "sharded"),
+        help="serial: the whole model gathered and written by rank 0; sharded: each rank writes its own part, and "
+             "a load reads only its part, at any layout (lifecycle/shards.py); auto (default): sharded from 1B "
+             "parameters")
     add("--dry_run", type=ranks, default=None, metavar="N",
         help="run one rank of this layout on N ranks in this one process (the others stand-ins whose collectives "
              "move no data) and print its memory and compute time instead of training (planning/dry_run.py); "

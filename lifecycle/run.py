@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 import resilience
-from lifecycle import signals
+from lifecycle import shards, signals
 from lifecycle.checkpoint import (
+    DamagedCheckpoint,
     get_rng_states,
     has_checkpoint,
     load_model_state,
@@ -192,8 +193,21 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
     if checkpoint is None:
         signals.stop_before_training("the data loaders' start and the model's build", run.exp_dir)
         return 0, None
-    load_model(model, checkpoint["model"], path)
-    (load_optimizer or type(optimizer).load_state_dict)(optimizer, checkpoint["optimizer"])
+    checkpoint = shards.open_sharded(checkpoint, path)  # a sharded one: each rank reads its part as it loads
+    problem = None
+    try:
+        load_model(model, checkpoint["model"], path)
+        optimizer_state = checkpoint["optimizer"]
+        if load_optimizer is None and isinstance(optimizer_state, shards.OptimizerShards):
+            optimizer_state = optimizer_state.whole()  # a serial model reads every tensor whole
+        (load_optimizer or type(optimizer).load_state_dict)(optimizer, optimizer_state)
+    except DamagedCheckpoint as err:  # a shard: every rank stops with one line
+        problem = str(err)
+    if isinstance(checkpoint["model"], shards.ModelShards):
+        shards.agree(problem)
+        logging.info(checkpoint["model"].shards.describe_read())  # rank 0's: its own part only
+    elif problem:
+        raise UserError(problem)
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])
     rng_states = checkpoint["rng_states"]
@@ -218,9 +232,14 @@ def restore(run, model, optimizer, scheduler, scaler, load_model=load_model_stat
 def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     """Collective checkpoint: every rank calls it (RNG states and epoch sums are gathered); world rank 0 writes
     `model_state` and `optimizer_state`, which must be the whole model's there (a model-parallel script gathers
-    its shards first). If the write fails every rank stops with the same message and the previous checkpoint
-    stays."""
+    its shards first), or each rank writes its own part of them (`model_state` a shards.ToWrite; lifecycle/shards.py)
+    and rank 0 the checkpoint file that names the parts. If a write fails every rank stops with the same message and
+    the previous checkpoint stays."""
     start = time.time()
+    index = None
+    if isinstance(model_state, shards.ToWrite):
+        index = shards.write(run.checkpoint_path, model_state, iters)
+        model_state, optimizer_state = shards.SHARDED, None
     rng_states = [get_rng_states()]
     if dist.is_initialized():
         rng_states = [None] * dist.get_world_size()
@@ -229,7 +248,11 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
              "scaler": scaler.state_dict(), "iteration": iters, "rng_states": rng_states,
              "epoch_sums": meter.state_dict(), "config_name": run.params.config_name,
              "params": run.params.params, "layout": dataclasses.asdict(run.grid.layout)}  # the model is serial
+    if index is not None:
+        state["shards"] = index
     store.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
+    if index is not None and run.rank == 0:  # the shards of earlier saves that neither checkpoint names
+        shards.remove_unnamed(run.checkpoint_path, previous_path(run.checkpoint_path))
     peers.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
     if signals.stopped_by():  # the stop's checkpoint: a signal from now on is ignored (signals.ending)

@@ -24,6 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from distributed import serial_state
+from distributed.pipeline import Pipeline
 from lifecycle.run import finish_run
 from loop.benchy import model_memory
 from loop.validation import set_train_mode
@@ -53,9 +55,6 @@ def join(layout, rank):
     too_large = dry_run_refusal(layout.world_size)
     if too_large:
         raise UserError(f"--dry_run {too_large}")
-    if layout.pp > 1:  # a stage waits on its neighbours' sends, which stand-ins do not make
-        raise UserError("--dry_run of a pipeline stage is not built yet (its sends and receives need the other "
-                        "stages); dry-run the layout without --pipeline_parallel")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
         raise UserError(f"--dry_run_rank {rank} is not a rank of {layout.world_size}; give one of 0 to "
                         f"{layout.world_size - 1}")
@@ -74,7 +73,7 @@ def system_of(device):
     return gpu_system(torch.cuda.get_device_name(device))
 
 
-def predicted(params, layout, device, ddp=True):
+def predicted(params, layout, device, ddp=True, stage=0):
     """The performance model's numbers for this layout at the run's local batch: rank 0's bytes by kind (the ranks of
     a layout hold the same, but for an uneven split of the tokens over cp), the peak measured the same way (on a GPU
     the tensors at the step's peak, without the CUDA context; on a CPU the sum of the four kinds), and on a GPU it
@@ -82,13 +81,17 @@ def predicted(params, layout, device, ddp=True):
     if params.get("model", "vit") != "vit":
         return None
     shape = perf_model.ViTShape.from_params(params)
-    memory = perf_model.memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
+    if layout.pp > 1:  # pipeline stage `stage`: its blocks, embeddings or head, and the microbatches it holds
+        memory = perf_model.stage_memory_bytes(perf_model.stage_shapes(shape, layout)[stage], layout,
+                                               params.local_batch_size, params.amp_enabled, stage)
+    else:
+        memory = perf_model.memory_bytes(shape, layout, params.local_batch_size, params.amp_enabled, ddp=ddp)
     found = {"parameters": memory["weights"], "gradients": memory["gradients"],
              "optimizer_state": memory["optimizer_state"], "saved_activations": memory["saved_activations"],
              "step_time_s": None, "system": system_of(device)}
     found["peak_memory_gb"] = (memory["peak"] if device.type == "cuda" else sum(
         found[key] for key in ("parameters", "gradients", "optimizer_state", "saved_activations"))) / perf_model.GIB
-    if found["system"]:
+    if found["system"] and layout.pp == 1:  # a stage's step waits on the others': the planner's pipeline rows
         system = perf_model.SYSTEMS[found["system"]]
         amp_mode = params.amp_mode if params.amp_enabled else "none"
         row = perf_model.predict(shape, system, layout, params.local_batch_size * layout.dp, amp_mode)
@@ -112,24 +115,57 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
         comm.synchronize(device)
         seconds.append(time.perf_counter() - start)
     with torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled):  # saved as in training
-        memory = model_memory(model, inp, optimizer)
+        memory = stage_memory(model, inp, optimizer) if isinstance(model, Pipeline) else model_memory(
+            model, inp, optimizer)
+    saving = save_memory(model, optimizer, run.args.checkpoint_format)
     if device.type == "cuda":
         peak_gb, peak_is = torch.cuda.max_memory_allocated(device) / perf_model.GIB, "the allocator's high watermark"
     else:
         peak_gb, peak_is = sum(memory.values()) / perf_model.GIB, "the sum of this rank's tensors above"
     result = {"dry_run": True, "rank": comm.get_world_rank(), "world_size": layout.world_size,
-              "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "order": layout.order,
+              "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp, "order": layout.order,
                          "flags": layout.flags()},
+              "pipeline_stage": run.grid.rank("pp") if layout.pp > 1 else None,
               "config": params.config_name, "local_batch_size": params.local_batch_size, "amp_mode": params.amp_mode,
               "device": str(device), **memory, "peak_memory_gb": peak_gb, "peak_memory_is": peak_is,
               "step_time_s": statistics.median(seconds) if seconds else None,
               "step_time_is": ("compute only: the collectives move nothing" if seconds
                                else "not timed (--dry_run_steps 0)"),
-              "predicted": predicted(params, layout, device, ddp=not run.args.noddp)}
+              "checkpoint_save": saving,
+              "predicted": predicted(params, layout, device, ddp=not run.args.noddp, stage=run.grid.rank("pp"))}
     finish_run(run)
     print(table(result))
     print(json.dumps(result))
     return result
+
+
+def stage_memory(pipe, inp, optimizer):
+    """model_memory of a pipeline stage (a Pipeline): the activations autograd saves in one microbatch's forward,
+    with the stage's output kept for its backward (but on the last stage), times the most microbatches the
+    schedule held at once in the steps just run (Pipeline.peak_in_flight: GPipe M, 1F1B P - s)."""
+    micro = inp[:inp.shape[0] // pipe.M]
+    memory = model_memory(pipe, micro, optimizer)
+    output = 0 if pipe.next is None else torch.Size(pipe.tokens_shape(micro.shape[0])).numel() * pipe.dtype.itemsize
+    memory["saved_activations"] = pipe.peak_in_flight * (memory["saved_activations"] + output)
+    memory["microbatches_in_flight"] = pipe.peak_in_flight
+    return memory
+
+
+def save_memory(model, optimizer, checkpoint_format):
+    """The host bytes this rank fills to save a checkpoint, from its tensors: the serial format gathers the whole
+    model and its Adam moments on every rank (the serial shapes of every stage's tensors); the sharded one copies
+    this rank's own boxes (lifecycle/shards.py; less where a lower rank holds the same box)."""
+    raw = getattr(model, "raw", [None])[0] or getattr(getattr(model, "_orig_mod", model), "module", model)
+    raw = getattr(raw, "_orig_mod", raw)
+    states, _ = serial_state.checkpoint_states(raw, optimizer, checkpoint_format, boxes_only=True)
+    if states is None:
+        slots = {slot for state in optimizer.state.values() for slot, value in state.items()
+                 if torch.is_tensor(value) and value.dim()}
+        serial = raw.serial_numel * next(raw.parameters()).element_size() * (1 + len(slots))
+        return {"format": "serial", "host_bytes": serial,
+                "is": "the whole serial model and its optimizer state, gathered on every rank"}
+    return {"format": "sharded", "host_bytes": sum(box.tensor.nbytes for box in states.boxes),
+            "is": "this rank's own parts of the model and its optimizer state"}
 
 
 def table(result):
@@ -142,11 +178,14 @@ def table(result):
                  f"{model['peak_memory_gb']:.3f} GB" if model else "-"))
     step = model.get("step_time_s")
     measured = result["step_time_s"]
+    saving = result["checkpoint_save"]
+    rows.append((f"save ({saving['format']}, host)", f"{saving['host_bytes'] / 1e9:.3f} GB", "-"))
     rows.append(("step time (compute)", f"{measured * 1e3:.1f} ms" if measured is not None else "not timed",
                  f"{step * 1e3:.1f} ms on {model['system']}" if step else "-"))
     layout = result["layout"]
+    stage = f", pipeline stage {result['pipeline_stage']}" if result.get("pipeline_stage") is not None else ""
     lines = [f"Dry run of rank {result['rank']} of {result['world_size']} (tp={layout['tp']}, cp={layout['cp']}, "
-             f"dp={layout['dp']}{' ' + ' '.join(layout['flags'][2:]) if layout['flags'][2:] else ''}), config "
+             f"dp={layout['dp']}{' ' + ' '.join(layout['flags'][2:]) if layout['flags'][2:] else ''}{stage}), config "
              f"{result['config']}, local batch {result['local_batch_size']}, {result['device']}; peak: "
              f"{result['peak_memory_is']}", "",
              f"| {'this rank':<20} | {'measured':>12} | {'performance model':>24} |",

@@ -93,7 +93,8 @@ def test_the_dry_run_writes_nothing_and_says_so_first(tmp_path, capsys, monkeypa
     (["--tensor_parallel", "3", "--dry_run", "4"], "tp x cp = 3 x 1 = 3 does not divide the world size 4"),
     (["--tensor_parallel", "2", "--dry_run", "4", "--dry_run_rank", "4"], "--dry_run_rank 4 is not a rank of 4"),
     (["--dry_run", "2", "--sequence_parallel"], "it needs --tensor_parallel 2 or more"),
-    (["--dry_run", "4", "--pipeline_parallel", "2"], "--dry_run of a pipeline stage is not built yet"),
+    (["--dry_run", "4", "--pipeline_parallel", "4", "--num_microbatches", "2"],
+     "--num_microbatches 2 is fewer than the 4 pipeline stages"),
     (["--dry_run", "0"], "'0' is not a number of ranks"),
     (["--dry_run", "131073"], "131073 ranks is more than a dry run stands in for: it builds every process group of "
                               "the layout in this one process (about 0.1 ms a rank), so it takes at most 131072 ranks"),

@@ -17,14 +17,18 @@ A failure points to distributed/pipeline.py (the schedules, the exchanges), dist
 distributed/serial_state.py (the stages' checkpoint) or networks/vit.py (a stage's forward).
 """
 import os
+import re
 import sys
 
 import pytest
+import torch
 import yaml
 
 import train
 from distributed.pipeline import balanced_layers
+from lifecycle import shards
 from tests.conftest import REPO_ROOT, run_plain_ranks, run_ranks
+from tests.training.test_reliability import killed_under_torchrun
 from tests.training.test_train_mp import assert_same_run, results
 
 pytestmark = pytest.mark.usefixtures("in_repo_root")
@@ -128,6 +132,58 @@ def test_a_pp4_checkpoint_resumes_at_pp2_at_pp1_and_in_train_py(era5_dir, tmp_pa
             assert f"The checkpoint was written at DP = 1, TP = 1, CP = 1, {written}; resumed" in result.stderr
         previous, start = os.path.join(run_dir, "checkpoints", "ckpt.pt"), stop
     assert_same_run((points, checkpoint), serial, after_step=6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_a_sharded_checkpoint_reshards_to_tp_fsdp_cp_pp_and_train_py(era5_dir, tmp_path, serial):
+    """--checkpoint_format sharded (lifecycle/shards.py): pp=2 x tp=2 to iteration 2, FSDP over dp=2 x cp=2 to 4,
+    pp=4 to 6, train.py to 8, each resuming the one before's shards: every part's points and the final weights are
+    the serial run's, and rank 0 reads only its part (a pp=4 stage 0: well under half the checkpoint's bytes)."""
+    config = four_blocks_config(tmp_path)
+    previous, start, fractions = None, -1, []
+    sharded = ("--checkpoint_format", "sharded")
+    for nproc, script, stop, more in ((4, "train_mp.py", 2, ("--pipeline_parallel", "2", "--tensor_parallel", "2",
+                                                             *sharded)),
+                                      (4, "train_mp.py", 4, ("--fsdp", "--context_parallel", "2", "--local_batch_size",
+                                                             "2", *sharded)),
+                                      (4, "train_mp.py", 6, ("--pipeline_parallel", "4", *sharded)),
+                                      (1, "train.py", 8, ())):
+        expdir = tmp_path / f"{script}_{stop}"
+        resume = ("--resume", previous) if previous else ()
+        result = run_ranks([script, *flags(era5_dir, expdir, config, "--checkpoint_interval", "2", "--stop_at_iter",
+                                           str(stop), *resume, *more)], nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_dir = next(os.path.join(root, "00") for root, dirs, _ in os.walk(str(expdir)) if "00" in dirs)
+        points, checkpoint = results(run_dir)
+        expected = {key: value for key, value in serial[0].items() if start < key[1] <= stop}
+        assert checkpoint["iteration"] == stop and points == pytest.approx(expected, rel=1e-4), stop
+        read = re.search(r"This rank read ([\d.]+) MB of the checkpoint's ([\d.]+) MB", result.stderr)
+        assert (read is None) == (previous is None), stop
+        fractions += [float(read.group(1)) / float(read.group(2))] if read else []
+        previous, start = os.path.join(run_dir, "checkpoints", "ckpt.pt"), stop
+    assert_same_run((points, checkpoint), serial, after_step=6)
+    assert fractions[1] < 0.45 and fractions[2] == pytest.approx(1.0), fractions  # stage 0 of 4; train.py: all
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_a_sharded_pp2_run_killed_with_sigkill_resumes_exactly(era5_dir, tmp_path):
+    """torchrun --max-restarts 1 of train_mp.py at pp=2 with sharded checkpoints, one rank SIGKILLed after the first
+    checkpoint: the restarted stages read their shards and end with the weights of a run nobody killed."""
+    argv = ["train_mp.py", "--config", "tiny", "--data_dir", era5_dir, "--num_iters", "60", "--checkpoint_interval",
+            "20", "--pipeline_parallel", "2", "--checkpoint_format", "sharded"]
+    whole = run_ranks(argv + ["--expdir", str(tmp_path / "whole")], 2)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    launcher, output, checkpoint = killed_under_torchrun(argv, tmp_path, run_dir="tiny/1MP2PP/00")
+    assert launcher.returncode == 0, output[-3000:]
+    assert "Resumed from" in output and "This rank read" in output  # the restart read its shards
+    reference = os.path.join(str(tmp_path / "whole"), "tiny", "1MP2PP", "00", "checkpoints", "ckpt.pt")
+    final, expected = (shards.open_sharded(torch.load(path, weights_only=True), path)
+                       for path in (checkpoint, reference))
+    assert final["iteration"] == expected["iteration"] == 60 and isinstance(final["model"], shards.ModelShards)
+    for name in expected["model"]:
+        torch.testing.assert_close(final["model"][name], expected["model"][name], atol=1e-6, rtol=0, msg=name)
 
 
 TWIN = """\

@@ -605,9 +605,9 @@ def test_killed_rank_under_torchrun_restarts_and_finishes_like_an_uninterrupted_
         torch.testing.assert_close(final["model"][name], weight, atol=1e-6, rtol=0, msg=name)
 
 
-def killed_under_torchrun(argv, tmp_path):
+def killed_under_torchrun(argv, tmp_path, run_dir="tiny/2GPU/00"):
     """`argv` under torchrun --max-restarts 1 on 2 ranks, one rank SIGKILLed once the first checkpoint is written:
-    (the launcher, its output, the checkpoint's path)."""
+    (the launcher, its output, the checkpoint's path; `run_dir` the run directory under --expdir)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo: 2 ranks on the CPU
     env.pop("WORLD_SIZE", None)
     log_path = tmp_path / "torchrun.log"  # a file, not a pipe: a full pipe would stall the ranks' logging
@@ -615,7 +615,7 @@ def killed_under_torchrun(argv, tmp_path):
                                  "--max-restarts", "1", "--master_port", str(free_port()), *argv, "--expdir",
                                  str(tmp_path / "killed")], cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"),
                                 stderr=subprocess.STDOUT)
-    checkpoint = os.path.join(str(tmp_path / "killed"), "tiny", "2GPU", "00", "checkpoints", "ckpt.pt")
+    checkpoint = os.path.join(str(tmp_path / "killed"), *run_dir.split("/"), "checkpoints", "ckpt.pt")
     deadline = time.time() + 120
     while not os.path.exists(checkpoint) and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.02)
