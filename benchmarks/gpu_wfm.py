@@ -73,8 +73,10 @@ PATCH4 = {"gpu": ("wfm_1b_p4", 4, 4, ["--local_batch_size", "1"]),
 NEEDS = {"ddp": ["broadcast", "all_reduce"], "tp2": ["broadcast", "all_reduce", "all_gather"],
          "cp2_allgather": ["all_reduce", "all_gather"], "cp2_ring": ["all_reduce", "all_gather", "send_recv"],
          "cp2_alltoall": ["all_reduce", "all_gather", "all_to_all_single"],
-         "cp2_twin_noddp": ["all_reduce", "all_gather"]}
-GLOO_CUDA_SEND_RECV = ("not tried: gloo takes no CUDA tensors for send/recv (FACTS I5), which the ring's "
+         "cp2_twin_noddp": ["all_reduce", "all_gather"],
+         "pp2": ["broadcast", "all_reduce", "all_gather", "send_recv"]}  # issue #60 item 7: two stages, one GPU
+GLOO_CUDA_SEND_RECV = ("not tried: gloo takes no CUDA tensors for send/recv (FACTS I5), which the ring's and the "
+                       "pipeline's "
                        "batch_isend_irecv needs")
 DRY_FIELDS = ("step_time_s", "peak_memory_gb", "peak_memory_is", "parameters", "gradients", "optimizer_state",
               "saved_activations", "local_batch_size", "amp_mode", "device", "predicted")
@@ -134,6 +136,7 @@ def rank_items(data, expdir):
                                                   "--local_batch_size", "4"], "2MP") for method in METHODS]
     items.append(train("cp2_twin_noddp", "train_mp", ["--context_parallel", "2", "--noddp", "--local_batch_size",
                                                       "4"], "2MP"))
+    items.append(train("pp2", "train_mp", ["--pipeline_parallel", "2", "--local_batch_size", "4"], "1MP2PP"))
     return items
 
 

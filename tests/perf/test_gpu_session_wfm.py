@@ -29,7 +29,7 @@ from tests.perf.test_gpu_session_stops import SCRIPT, ctrl_c, kill_all, marked, 
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's rehearsal and refusal; a GPU node "
                             "runs the session itself")
-CHECKS = ["cp2_allgather", "cp2_alltoall", "cp2_ring", "cp2_twin_noddp", "ddp", "tp2"]
+CHECKS = ["cp2_allgather", "cp2_alltoall", "cp2_ring", "cp2_twin_noddp", "ddp", "pp2", "tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,9 @@ def test_the_kernels_time_each_method_and_the_patch4_rank_is_measured(rehearsal)
 @pytest.mark.long
 @pytest.mark.multiprocess
 def test_the_ranks_say_their_backend_and_each_check_meets_the_tolerance(rehearsal):
-    """Gloo on CPU tensors, every collective probed ran (send/recv too: the ring runs here); DDP, tp=2 and cp=2 by
-    each method within |a - b| <= 1e-5 + 1e-4 |b| of the serial run after 10 steps, the twin far outside it."""
+    """Gloo on CPU tensors, every collective probed ran (send/recv too: the ring and the pipeline run here); DDP, tp=2,
+    cp=2 by each method and pp=2 (two stages) within |a - b| <= 1e-5 + 1e-4 |b| of the serial run after 10 steps,
+    the twin far outside it."""
     ranks = rehearsal[1]["parts"]["ranks"]
     assert (ranks["backend"], ranks["tensors_on"], ranks["ranks"], ranks["backends_tried"]) == ("gloo", "cpu", 2,
                                                                                                  ["gloo"])
@@ -119,9 +120,9 @@ def bare_runner(collectives, backend="gloo"):
 
 
 @pytest.mark.parametrize("send_recv", [False, True], ids=["gloo-cuda", "twin-send-recv-runs"])
-def test_on_gloo_with_cuda_tensors_only_the_ring_cannot_run_and_says_why(send_recv, tmp_path):
-    """The probe on gloo with CUDA tensors does not try send/recv (FACTS I5); the ring alone needs it: it is not run,
-    its reason naming send_recv and why. Twin: where send/recv ran, every check runs."""
+def test_on_gloo_with_cuda_tensors_only_the_ring_and_the_pipeline_cannot_run_and_say_why(send_recv, tmp_path):
+    """The probe on gloo with CUDA tensors does not try send/recv (FACTS I5); the ring and the pipeline alone need
+    it: they are not run, each reason naming send_recv and why. Twin: where send/recv ran, every check runs."""
     collectives = {op: {"ok": True} for op in ("all_reduce", "broadcast", "all_gather", "all_to_all_single")}
     collectives["send_recv"] = {"ok": True} if send_recv else {"ok": False, "why": gpu_wfm.GLOO_CUDA_SEND_RECV}
     runner = bare_runner(collectives)
@@ -130,9 +131,10 @@ def test_on_gloo_with_cuda_tensors_only_the_ring_cannot_run_and_says_why(send_re
     if send_recv:
         assert refused == {}
     else:
-        assert list(refused) == ["cp2_ring"], refused
-        assert refused["cp2_ring"].startswith("needs send_recv, which gloo did not run here")
-        assert "FACTS I5" in refused["cp2_ring"]
+        assert list(refused) == ["cp2_ring", "pp2"], refused
+        for name in refused:
+            assert refused[name].startswith("needs send_recv, which gloo did not run here") and "FACTS I5" in refused[
+                name], name
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["right-values", "twin-all-reduce-off-by-one"])
