@@ -30,13 +30,14 @@
 # one-rank paths only), six parts each with a deadline, 9 minutes in all, into DIR/multi_gpu.json with the logs,
 # traces and figures beside it (benchmarks/gpu_multi.py); data and run directories in $MULTI_WORK (default
 # /tmp/multi). `--multi --tiny --allow-cpu` rehearses it on CPU ranks over gloo (tests/perf/test_gpu_multi.py).
-# With --wfm (first after DIR) it runs "one GPU, many ranks" (issue #59 item 7) on the node's first GPU, three parts
-# each with a deadline, 9 minutes at most (about 3 expected), into DIR/wfm_one_gpu.json with the logs beside it
+# With --wfm (first after DIR) it runs "one GPU, many ranks" (issue #59 item 7) on the node's first GPU, four parts each
+# with a deadline, 9 minutes at most (about 3 expected), into DIR/wfm_one_gpu.json with the logs beside it
 # (benchmarks/gpu_wfm.py): the 0.25-degree configs' step on one GPU (wfm_tiny, wfm_p8 at batch 1; wfm_p8's rank 0 at
-# cp=2 with each --cp_method), rank 0 of wfm_1b_p4 at tp=4 x cp=4 (dry runs), and 2 ranks on the one GPU (NCCL 2.30+
-# with NCCL_MULTI_RANK_GPU_ENABLE=1, else gloo with CUDA tensors) checking DDP, tp=2, cp=2 by each method and pp=2 (two
-# pipeline stages, issue #60 item 7) against the serial run; data and run directories in $WFM_WORK (default /tmp/wfm).
-# `--wfm --tiny --allow-cpu` rehearses it on the CPU (tests/perf/test_gpu_session_wfm.py). No GPU has run it yet.
+# cp=2 with each --cp_method), rank 0 of wfm_1b_p4 at tp=4 x cp=4 and of each of wfm_10b_p2's two pipeline stages (dry
+# runs), and 2 ranks on the one GPU (NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1, else gloo with CUDA tensors) checking
+# DDP, tp=2, cp=2 by each method and pp=2 (two pipeline stages, issue #60 item 7) against the serial run; data and run
+# directories in $WFM_WORK (default /tmp/wfm). `--wfm --tiny --allow-cpu` rehearses it on the CPU
+# (tests/perf/test_gpu_session_wfm.py). No GPU has run it yet.
 # Ctrl-C (SIGINT) or SIGTERM stops the running part with every process it started, marks it "interrupted" in the
 # report (DIR/session.json; with --multi DIR/multi_gpu.json, with --wfm DIR/wfm_one_gpu.json), says what it stopped
 # in one line and exits with 130; each report is replaced as the session starts, so an earlier session's never stands

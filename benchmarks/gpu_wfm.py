@@ -1,11 +1,11 @@
-"""One GPU, many ranks: the 0.25-degree configs (`wfm_*`) and context parallelism's three methods on the one GPU of a
-node, into one JSON (issue #59 item 7).
+"""One GPU, many ranks: the 0.25-degree configs (`wfm_*`), context parallelism's three methods and pipeline stages on
+the one GPU of a node, into one JSON (issue #59 item 7, issue #60 items 5 and 7).
 
     bash benchmarks/gpu_session.sh DIR --wfm                        # one GPU: about 3 minutes, 9 at most
     bash benchmarks/gpu_session.sh DIR --wfm --tiny --allow-cpu     # the rehearsal: CPU processes over gloo
     python -m benchmarks.gpu_wfm --out DIR [--work W] [--tiny] [--allow-cpu] [--budget S] [--parts a,b]
 
-Three parts, each with a deadline (a fraction of --budget, 540 s), DIR/wfm_one_gpu.json written after each, so a
+Four parts, each with a deadline (a fraction of --budget, 540 s), DIR/wfm_one_gpu.json written after each, so a
 part cut short keeps what it measured:
   kernels  one GPU's training step of the family, each a dry run on synthetic batches (planning/dry_run.py: a
            warm-up step, then the median of 3, and the rank's memory beside the performance model's): `wfm_tiny` and
@@ -14,13 +14,16 @@ part cut short keeps what it measured:
            method runs them on the rank's half of the tokens (ring's blocks in plain math, all-to-all's whole sequence
            for half the heads, all-gather's queries over every key), the collectives moving nothing
   patch4   rank 0 of the patch-4 layout `wfm_1b_p4` at tp=4 x cp=4 (dry run, batch 1): its memory and step time
+  stages   rank 0 of each pipeline stage of `wfm_10b_p2` at the planner's layout for 256 A100s (tp=8 x cp=8 ring x
+           dp=2 x pp=2, sequence parallelism, checkpointing, FSDP; 2 microbatches of 1): each stage's memory beside
+           the performance model's, the heaviest stage named by both (dry runs, memory only)
   ranks    2 ranks on the one GPU (every rank on cuda:0). NCCL 2.30 or newer (torch.cuda.nccl.version()) takes them
            with NCCL_MULTI_RANK_GPU_ENABLE=1 (and CUDA MPS, started for the part, where nvidia-cuda-mps-control is
            on PATH); an older NCCL refuses two ranks on one GPU, so gloo takes them with CUDA tensors, which it
            moves for all-reduce, broadcast, all-gather and all_to_all_single but not for send/recv: the ring
            (batch_isend_irecv) cannot run there. First a probe of each collective on the ranks' tensors, then
-           `wfm_tiny` for 10 steps with TF32 off: DDP (train.py), tp=2, and cp=2 with allgather, ring and alltoall
-           (train_mp.py), each against the serial train.py run (the largest weight and TensorBoard point
+           `wfm_tiny` for 10 steps with TF32 off: DDP (train.py), tp=2, cp=2 with allgather, ring and alltoall, and
+           pp=2 (train_mp.py), each against the serial train.py run (the largest weight and TensorBoard point
            differences, over the CPU tests' tolerance |a - b| <= 1e-5 + 1e-4 |b|), and a twin, cp=2 without its
            gradient sums (--noddp), which must miss. The JSON says which backend ran and, for each check that did
            not run, why.
@@ -28,7 +31,8 @@ part cut short keeps what it measured:
 times the step once per config, and the methods run where they differ (cp=2: rank 0's kernels alone, and on two
 ranks against the serial run).
 On CPUs (--allow-cpu; and --tiny on a GPU) every part runs at the rehearsal's sizes: `wfm_tiny` stands in for wfm_p8
-(batch 1) and for wfm_1b_p4 (at tp=2 x cp=4), and the ranks are CPU processes over gloo, which also runs the ring.
+(batch 1), for wfm_1b_p4 (at tp=2 x cp=4) and for wfm_10b_p2's stages (at tp=2 x cp=2 x pp=2), and the ranks are
+CPU processes over gloo, which also runs the ring.
 The parts' runs go through few processes, each running its runs in turn in-process (python -m benchmarks.gpu_wfm
 --runner PLAN): one for the single-GPU parts, one per rank for `ranks` (which makes a process group for each run,
 the ranks on one device, before train.py or train_mp.py starts: their own rendezvous refuses two ranks on a GPU);
@@ -51,8 +55,8 @@ from benchmarks.gpu_multi import ATOL, RTOL, Interrupted, difference, interrupt_
 from utils.atomic import write_json
 from utils.errors import ArgumentParser, error_line
 
-PARTS = ("kernels", "patch4", "ranks")
-ENDS = {"kernels": 0.40, "patch4": 0.50, "ranks": 1.0}  # each part's deadline, a fraction of the budget
+PARTS = ("kernels", "patch4", "stages", "ranks")
+ENDS = {"kernels": 0.30, "patch4": 0.40, "stages": 0.75, "ranks": 1.0}  # each part's deadline, a fraction of the budget
 BUDGET_S = 540
 RANKS = 2
 MAX_ATTEMPTS = 3  # processes started for one plan: again after one dies, for the items it had not reached
@@ -69,6 +73,13 @@ SMALL = {"gpu": ("wfm_p8", ["--local_batch_size", "1"]),
          "tiny": ("wfm_tiny", ["--local_batch_size", "1"])}
 PATCH4 = {"gpu": ("wfm_1b_p4", 4, 4, ["--local_batch_size", "1"]),
           "tiny": ("wfm_tiny", 2, 4, ["--local_batch_size", "1"])}
+# the stages part (issue #60 item 5): rank 0 of each pipeline stage of the 10B model at the planner's layout for 256
+# A100s (tp=8 x cp=8 ring x dp=2 x pp=2, sequence parallelism, checkpointing, FSDP: docs/perf_model.md), with 2
+# microbatches of 1 (1F1B holds P - s of them whatever M is; the planner's M = 8 would make the warm-up step 4 times
+# longer); the rehearsal's stand-in: wfm_tiny at tp=2 x cp=2 x pp=2. (config, tp, cp, dp, pp, flags)
+STAGES = {"gpu": ("wfm_10b_p2", 8, 8, 2, 2, ["--cp_method", "ring", "--sequence_parallel",
+                                             "--activation_checkpointing", "--fsdp", "--local_batch_size", "2"]),
+          "tiny": ("wfm_tiny", 2, 2, 1, 2, ["--cp_method", "ring", "--local_batch_size", "2"])}
 # the collectives each check's run calls (the probe's names): a check whose collective did not run is not started
 NEEDS = {"ddp": ["broadcast", "all_reduce"], "tp2": ["broadcast", "all_reduce", "all_gather"],
          "cp2_allgather": ["all_reduce", "all_gather"], "cp2_ring": ["all_reduce", "all_gather", "send_recv"],
@@ -76,10 +87,10 @@ NEEDS = {"ddp": ["broadcast", "all_reduce"], "tp2": ["broadcast", "all_reduce", 
          "cp2_twin_noddp": ["all_reduce", "all_gather"],
          "pp2": ["broadcast", "all_reduce", "all_gather", "send_recv"]}  # issue #60 item 7: two stages, one GPU
 GLOO_CUDA_SEND_RECV = ("not tried: gloo takes no CUDA tensors for send/recv (FACTS I5), which the ring's and the "
-                       "pipeline's "
-                       "batch_isend_irecv needs")
-DRY_FIELDS = ("step_time_s", "peak_memory_gb", "peak_memory_is", "parameters", "gradients", "optimizer_state",
-              "saved_activations", "local_batch_size", "amp_mode", "device", "predicted")
+                       "pipeline's batch_isend_irecv needs")
+DRY_FIELDS = ("pipeline_stage", "microbatches_in_flight", "checkpoint_save", "step_time_s", "peak_memory_gb",
+              "peak_memory_is", "parameters", "gradients", "optimizer_state", "saved_activations", "local_batch_size",
+              "amp_mode", "device", "predicted")
 
 
 def log(message):
@@ -108,6 +119,30 @@ def dry_item(name, part, config, tp, cp, flags):
             "layout": {"config": config, "tp": tp, "cp": cp, "flags": " ".join(flags)}}
 
 
+def stage_items(mode):
+    """Dry runs of rank 0 of each pipeline stage of STAGES[mode] (pp is the slowest dimension: stage s starts at rank
+    s x world / pp), memory only (no timed steps)."""
+    config, tp, cp, dp, pp, flags = STAGES[mode]
+    world = tp * cp * dp * pp
+    return [{"name": f"{config} stage {stage}", "part": "stages", "kind": "dry_run",
+             "argv": [*VIT, "--config", config, "--tensor_parallel", str(tp), "--context_parallel", str(cp),
+                      "--pipeline_parallel", str(pp), *flags, "--dry_run", str(world), "--dry_run_rank",
+                      str(stage * world // pp), "--dry_run_steps", "0", "--data_loader_config", "synthetic"],
+             "layout": {"config": config, "tp": tp, "cp": cp, "dp": dp, "pp": pp, "stage": stage,
+                        "flags": " ".join(flags)}} for stage in range(pp)]
+
+
+def heaviest_stage(rows):
+    """The stage with the largest peak, measured and predicted (None where a run did not finish)."""
+    if not rows or not all(r.get("ok") for r in rows):
+        return None
+    measured = max(rows, key=lambda r: r["peak_memory_gb"])
+    predicted = max(rows, key=lambda r: r["predicted"]["peak_memory_gb"])
+    return {"measured": measured["stage"], "predicted": predicted["stage"],
+            "peak_memory_gb": measured["peak_memory_gb"],
+            "predicted_peak_memory_gb": measured["predicted"]["peak_memory_gb"]}
+
+
 def one_gpu_items(mode, parts):
     items = []
     if "kernels" in parts:
@@ -115,6 +150,8 @@ def one_gpu_items(mode, parts):
     if "patch4" in parts:
         config, tp, cp, flags = PATCH4[mode]
         items.append(dry_item(f"{config} tp={tp} x cp={cp} rank 0", "patch4", config, tp, cp, flags))
+    if "stages" in parts:
+        items += stage_items(mode)
     return items
 
 
@@ -563,22 +600,30 @@ def merge_ranks(entries, logs, codes, stopped=None):
 
 # ---- the parts ------------------------------------------------------------------------------------------------
 
+ONE_GPU = ("kernels", "patch4", "stages")  # the parts one process runs in turn
+
+
 def one_gpu_parts(s, mode, parts, report, path):
     items = one_gpu_items(mode, parts)
     if not items:
         return
-    for part in ("kernels", "patch4"):
+    for part in ONE_GPU:
         if part in parts:
             report["parts"][part] = {"status": "running"}
     write_json(path, report)
     began = time.monotonic()
-    results = s.launch("one_gpu", items, 1, max(s.deadline_of(p) for p in parts if p in ("kernels", "patch4")))
-    for part in ("kernels", "patch4"):
+    results = s.launch("one_gpu", items, 1, max(s.deadline_of(p) for p in parts if p in ONE_GPU))
+    for part in ONE_GPU:
         if part not in parts:
             continue
         rows = [{"name": item["name"], **item["layout"], **results.get(item["name"], {})} for item in items
                 if item["part"] == part]
-        found = {"runs": rows} if part == "kernels" else {"run": rows[0]}
+        found = {"runs": rows} if part != "patch4" else {"run": rows[0]}
+        if part == "stages":
+            found["heaviest"] = heaviest_stage(rows)
+            if mode == "tiny":
+                config, tp, cp, dp, pp, _ = STAGES["gpu"]
+                found["stands_for"] = f"{config} at tp={tp} x cp={cp} x dp={dp} x pp={pp} (on a GPU)"
         if part == "patch4" and mode == "tiny":
             config, tp, cp, _ = PATCH4["gpu"]
             found["stands_for"] = f"{config} at tp={tp} x cp={cp} (on a GPU)"

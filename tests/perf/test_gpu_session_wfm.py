@@ -1,10 +1,11 @@
 """"One GPU, many ranks" (`bash benchmarks/gpu_session.sh DIR --wfm`, benchmarks/gpu_wfm.py, issue #59 item 7)
-rehearsed on the CPU: its three parts run end to end and write the JSON a GPU session will be read by: the dry runs
-of the 0.25-degree family's step (each --cp_method at cp=2) and of a patch-4 layout's rank; two ranks over gloo, the
-backend named and why, each collective's probe, DDP, tp=2 and cp=2 by each method within the tolerance of the serial
-run and the twin (cp=2 without its gradient sums) far outside it. Beside it: which backend a GPU's NCCL gets (2.30 is
+rehearsed on the CPU: its four parts run end to end and write the JSON a GPU session will be read by: the dry runs
+of the 0.25-degree family's step (each --cp_method at cp=2), of a patch-4 layout's rank and of each pipeline stage
+(the heaviest named); two ranks over gloo, the backend named and why, each collective's probe, DDP, tp=2, cp=2 by
+each method and pp=2 within the tolerance of the serial run and the twin (cp=2 without its gradient sums) far outside
+it. Beside it: which backend a GPU's NCCL gets (2.30 is
 the first that takes several ranks on one GPU); the probe checks each collective's values (twin: an all-reduce one
-off); on gloo with CUDA tensors the ring, and only the ring, cannot run, and says why; a backend that cannot join
+off); on gloo with CUDA tensors the ring and the pipeline, and only they, cannot run, and say why; a backend that cannot join
 hands over to the next; a process that dies during a run leaves that run an error naming its exit code, and the
 runs after it still run, in a new process (twin: without the new process they are not reached); Ctrl-C stops every
 process and marks the report (twin: without the handler the ranks outlive it); without a GPU, one line.
@@ -77,6 +78,30 @@ def test_the_kernels_time_each_method_and_the_patch4_rank_is_measured(rehearsal)
         assert row["predicted"]["parameters"] == row["parameters"] and row["device"] == "cpu", row
     assert runs[0]["local_batch_size"] == 8 and runs[1]["local_batch_size"] == 1
     assert patch4["parameters"] < runs[1]["parameters"]  # tp=2 holds half of each block's weights
+
+
+@NO_GPU
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_the_stages_part_measures_each_stage_and_names_the_heaviest(rehearsal):
+    """Rank 0 of each of the two stages (wfm_tiny at tp=2 x cp=2 x pp=2 standing for wfm_10b_p2's layout): each
+    stage's memory equal to the performance model's within 10%, 1F1B's P - s microbatches held, and the heaviest
+    stage (the first: the embeddings, two microbatches in flight) named by both."""
+    stages = rehearsal[1]["parts"]["stages"]
+    assert stages["ok"] and "wfm_10b_p2 at tp=8 x cp=8 x dp=2 x pp=2" in stages["stands_for"]
+    for stage, row in enumerate(stages["runs"]):
+        assert (row["stage"], row["pipeline_stage"], row["microbatches_in_flight"]) == (stage, stage, 2 - stage)
+        assert row["peak_memory_gb"] == pytest.approx(row["predicted"]["peak_memory_gb"], rel=0.10), row
+        assert row["checkpoint_save"]["format"] == "serial" and row["checkpoint_save"]["host_bytes"] > 0
+    assert stages["heaviest"]["measured"] == stages["heaviest"]["predicted"] == 0, stages["heaviest"]
+
+
+def test_the_heaviest_stage_is_the_one_with_the_largest_peak():
+    rows = [{"stage": 0, "ok": True, "peak_memory_gb": 2.0, "predicted": {"peak_memory_gb": 1.0}},
+            {"stage": 1, "ok": True, "peak_memory_gb": 1.5, "predicted": {"peak_memory_gb": 3.0}}]
+    assert gpu_wfm.heaviest_stage(rows) == {"measured": 0, "predicted": 1, "peak_memory_gb": 2.0,
+                                            "predicted_peak_memory_gb": 1.0}
+    assert gpu_wfm.heaviest_stage([{**rows[0], "ok": False}, rows[1]]) is None  # a run cut short names none
 
 
 @NO_GPU
