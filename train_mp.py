@@ -4,9 +4,8 @@
     torchrun --nproc_per_node 4 train_mp.py --config wfm_tiny --pipeline_parallel 2 --context_parallel 2 ...
     sbatch -N 4 submit_pm_mp.sh --config=mp --tensor_parallel=4                 # Perlmutter, 16 GPUs
 
-Ranks form a tp x cp x dp x pp grid in the order --parallel_order (first name fastest; pp, unnamed, slowest). The run
-directory is <expdir>/<config>/<tp*cp>MP/<run_num>/ (<tp*cp>MP<pp>PP with a pipeline); checkpoints hold the serial
-model's state (gathered on save, sharded on load), so they resume at any layout and in train.py.
+Ranks form a tp x cp x dp x pp grid (--parallel_order: first name fastest). Run directory: <expdir>/<config>/<tp*cp>MP
+(then <pp>PP)/<run_num>/; checkpoints hold the serial model's state, so they resume at any layout and in train.py.
 """
 import lifecycle.early_signals  # noqa: F401 (first: SIGTERM, SIGINT, SIGUSR1 recorded while torch imports)
 
@@ -62,7 +61,7 @@ def main(argv=None):
 
     # model (same initial weights on every rank): the serial ViT, split by the recipe below
     torch.manual_seed(params.seed)
-    model = get_model(params).to(device)
+    model = get_model(params)  # on the CPU: the recipe moves to the device only what this rank keeps
     # channels_last: convolutions run on NHWC (NDHWC) tensor-core kernels without transposes
     memory_format = torch.channels_last if len(sample_shape) == 3 else torch.channels_last_3d
     if params.enable_nhwc:
@@ -128,9 +127,8 @@ def main(argv=None):
 
     def checkpoint(iters):
         meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
-        # gathered to the serial layout and written by rank 0, or each rank its part (collective; serial_state.py)
-        save(run, *serial_state.checkpoint_states(raw_model, optimizer, args.checkpoint_format), scheduler, scaler,
-             iters, meter)
+        save(run, *serial_state.checkpoint_states(raw_model, optimizer, args.checkpoint_format),  # serial or sharded
+             scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
     iters, stop = start_iter, milestones.stop(start_iter)

@@ -67,7 +67,7 @@ def main(argv=None):
 
     # model (same initial weights on every rank): the serial ViT, split by the recipe below
     torch.manual_seed(params.seed)
-    model = get_model(params).to(device)
+    model = get_model(params)  # on the CPU: the recipe moves to the device only what this rank keeps
     # channels_last: convolutions run on NHWC (NDHWC) tensor-core kernels without transposes
     memory_format = torch.channels_last if len(sample_shape) == 3 else torch.channels_last_3d
     if params.enable_nhwc:
@@ -142,9 +142,8 @@ def main(argv=None):
 
     def checkpoint(iters):
         meter.stop_if_not_finite(iters)  # never a nan checkpoint over a good one
-        # gathered to the serial layout and written by rank 0, or each rank its part (collective; serial_state.py)
-        save(run, *serial_state.checkpoint_states(raw_model, optimizer, args.checkpoint_format), scheduler, scaler,
-             iters, meter)
+        save(run, *serial_state.checkpoint_states(raw_model, optimizer, args.checkpoint_format),  # serial or sharded
+             scheduler, scaler, iters, meter)
 
     logging.info("Starting Training Loop...")
     iters, stop = start_iter, milestones.stop(start_iter)

@@ -65,10 +65,11 @@ class Options:
 
 
 def parallelize(model, grid, device, options=Options()):
-    """`model` (the serial ViT, on `device`) split, checkpointed, wrapped and compiled as the grid's layout and
-    `options` ask, in the order of this module's docstring. The model itself (the same module, changed in place by
-    steps 1 and 2) stays what checkpoints hold; build the optimizer on it after this call. Returns the model to run.
-    A layout the model or the options cannot take is refused here, in one line, before anything changes."""
+    """`model` (the serial ViT, on the CPU; moved to `device` after step 0) split, checkpointed, wrapped and compiled
+    as the grid's layout and `options` ask, in the order of this module's docstring. The model itself (the same
+    module, changed in place by steps 1 and 2) stays what checkpoints hold; build the optimizer on it after this
+    call. Returns the model to run. A layout the model or the options cannot take is refused here, in one line,
+    before anything changes."""
     layout = grid.layout
     facts = model.layout_facts() if hasattr(model, "layout_facts") else {}  # the ViT's heads, width, tokens, dropout
     layout.check(**facts, noddp=not options.ddp.enabled, channels_last=options.channels_last)
@@ -76,6 +77,7 @@ def parallelize(model, grid, device, options=Options()):
     model.serial_numel = sum(param.numel() for param in model.parameters())  # checkpoints: serial or sharded
     if layout.pp > 1:
         keep_stage(model, layout, grid["pp"])  # 0
+    model.to(device)  # built on the CPU: a stage's blocks alone reach the device (the whole 10B model would not fit)
     if layout.model_parallel > 1:
         split_tokens_and_weights(model, grid)  # 1
     if layout.checkpointing:

@@ -1,14 +1,14 @@
-""""One GPU, many ranks" (`bash benchmarks/gpu_session.sh DIR --wfm`, benchmarks/gpu_wfm.py, issue #59 item 7)
-rehearsed on the CPU: its four parts run end to end and write the JSON a GPU session will be read by: the dry runs
-of the 0.25-degree family's step (each --cp_method at cp=2), of a patch-4 layout's rank and of each pipeline stage
-(the heaviest named); two ranks over gloo, the backend named and why, each collective's probe, DDP, tp=2, cp=2 by
-each method and pp=2 within the tolerance of the serial run and the twin (cp=2 without its gradient sums) far outside
-it. Beside it: which backend a GPU's NCCL gets (2.30 is
-the first that takes several ranks on one GPU); the probe checks each collective's values (twin: an all-reduce one
-off); on gloo with CUDA tensors the ring and the pipeline, and only they, cannot run, and say why; a backend that cannot join
-hands over to the next; a process that dies during a run leaves that run an error naming its exit code, and the
-runs after it still run, in a new process (twin: without the new process they are not reached); Ctrl-C stops every
-process and marks the report (twin: without the handler the ranks outlive it); without a GPU, one line.
+""""One GPU, many ranks" (`bash benchmarks/gpu_session.sh DIR --wfm`, benchmarks/gpu_wfm.py, issue #59 item 7) rehearsed
+on the CPU: its four parts run end to end and write the JSON a GPU session will be read by: the dry runs of the
+0.25-degree family's step (each --cp_method at cp=2), of a patch-4 layout's rank and of each pipeline stage (the
+heaviest named); two ranks over gloo, the backend named and why, each collective's probe, DDP, tp=2, cp=2 by each
+method and pp=2 within the tolerance of the serial run and the twin (cp=2 without its gradient sums) far outside it.
+Beside it: which backend a GPU's NCCL gets (2.30 is the first that takes several ranks on one GPU); the probe checks
+each collective's values (twin: an all-reduce one off); on gloo with CUDA tensors the ring and the pipeline, and only
+they, cannot run, and say why; a backend that cannot join hands over to the next; a process that dies during a run
+leaves that run an error naming its exit code, and the runs after it still run, in a new process (twin: without the
+new process they are not reached); Ctrl-C stops every process and marks the report (twin: without the handler the
+ranks outlive it); without a GPU, one line.
 
 A failure points to benchmarks/gpu_wfm.py or the --wfm block of benchmarks/gpu_session.sh, or to what a part runs
 (train_mp.py --dry_run, --cp_method).
