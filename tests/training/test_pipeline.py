@@ -108,17 +108,14 @@ def test_stages_compose_and_reproduce_the_serial_run(era5_dir, tmp_path, request
     assert_same_run(got, request.getfixturevalue("serial_batch8" if batch8 else "serial"))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.long
-def test_a_pp4_checkpoint_resumes_at_pp2_at_pp1_and_in_train_py(era5_dir, tmp_path, serial):
-    """pp=4 to iteration 2, pp=2 to 4, pp=1 (train_mp.py) to 6, train.py to 8, each from the one before's checkpoint:
-    every half's points and the final weights are the serial run's."""
+def resumed_in_turn(era5_dir, tmp_path, serial, parts):
+    """Each part (ranks, script, iteration to stop at, flags) from the one before's checkpoint: its TensorBoard
+    points the serial run's; yields each part's log and whether it resumed. After the last, its weights are the serial
+    run's."""
     config = four_blocks_config(tmp_path)
     previous, start = None, -1
-    for nproc, script, stop, more, written in ((4, "train_mp.py", 2, ("--pipeline_parallel", "4"), None),
-                                               (2, "train_mp.py", 4, ("--pipeline_parallel", "2"), "PP = 4"),
-                                               (1, "train_mp.py", 6, (), "PP = 2"), (1, "train.py", 8, (), None)):
-        expdir = tmp_path / f"{script}_{nproc}"
+    for nproc, script, stop, more in parts:
+        expdir = tmp_path / f"{script}_{stop}"
         resume = ("--resume", previous) if previous else ()
         result = run_ranks([script, *flags(era5_dir, expdir, config, "--checkpoint_interval", "2", "--stop_at_iter",
                                            str(stop), *resume, *more)], nproc)
@@ -128,10 +125,21 @@ def test_a_pp4_checkpoint_resumes_at_pp2_at_pp1_and_in_train_py(era5_dir, tmp_pa
         expected = {key: value for key, value in serial[0].items() if start < key[1] <= stop}
         assert checkpoint["iteration"] == stop and sorted(points) == sorted(expected), (stop, sorted(points))
         assert points == pytest.approx(expected, rel=1e-4), stop
-        if written:  # the log says which layout wrote the checkpoint it resumed
-            assert f"The checkpoint was written at DP = 1, TP = 1, CP = 1, {written}; resumed" in result.stderr
+        yield result.stderr, previous is not None
         previous, start = os.path.join(run_dir, "checkpoints", "ckpt.pt"), stop
     assert_same_run((points, checkpoint), serial, after_step=6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_a_pp4_checkpoint_resumes_at_pp2_at_pp1_and_in_train_py(era5_dir, tmp_path, serial):
+    """pp=4 to iteration 2, pp=2 to 4, pp=1 (train_mp.py) to 6, train.py to 8, each from the one before's checkpoint:
+    every part's points and the final weights are the serial run's."""
+    parts = ((4, "train_mp.py", 2, ("--pipeline_parallel", "4")), (2, "train_mp.py", 4, ("--pipeline_parallel", "2")),
+             (1, "train_mp.py", 6, ()), (1, "train.py", 8, ()))
+    for (log, _), written in zip(resumed_in_turn(era5_dir, tmp_path, serial, parts), (None, "PP = 4", "PP = 2", None)):
+        if written:  # the log says which layout wrote the checkpoint it resumed
+            assert f"The checkpoint was written at DP = 1, TP = 1, CP = 1, {written}; resumed" in log
 
 
 @pytest.mark.multiprocess
@@ -140,29 +148,15 @@ def test_a_sharded_checkpoint_reshards_to_tp_fsdp_cp_pp_and_train_py(era5_dir, t
     """--checkpoint_format sharded (lifecycle/shards.py): pp=2 x tp=2 to iteration 2, FSDP over dp=2 x cp=2 to 4,
     pp=4 to 6, train.py to 8, each resuming the one before's shards: every part's points and the final weights are
     the serial run's, and rank 0 reads only its part (a pp=4 stage 0: well under half the checkpoint's bytes)."""
-    config = four_blocks_config(tmp_path)
-    previous, start, fractions = None, -1, []
     sharded = ("--checkpoint_format", "sharded")
-    for nproc, script, stop, more in ((4, "train_mp.py", 2, ("--pipeline_parallel", "2", "--tensor_parallel", "2",
-                                                             *sharded)),
-                                      (4, "train_mp.py", 4, ("--fsdp", "--context_parallel", "2", "--local_batch_size",
-                                                             "2", *sharded)),
-                                      (4, "train_mp.py", 6, ("--pipeline_parallel", "4", *sharded)),
-                                      (1, "train.py", 8, ())):
-        expdir = tmp_path / f"{script}_{stop}"
-        resume = ("--resume", previous) if previous else ()
-        result = run_ranks([script, *flags(era5_dir, expdir, config, "--checkpoint_interval", "2", "--stop_at_iter",
-                                           str(stop), *resume, *more)], nproc)
-        assert result.returncode == 0, result.stderr[-3000:]
-        run_dir = next(os.path.join(root, "00") for root, dirs, _ in os.walk(str(expdir)) if "00" in dirs)
-        points, checkpoint = results(run_dir)
-        expected = {key: value for key, value in serial[0].items() if start < key[1] <= stop}
-        assert checkpoint["iteration"] == stop and points == pytest.approx(expected, rel=1e-4), stop
-        read = re.search(r"This rank read ([\d.]+) MB of the checkpoint's ([\d.]+) MB", result.stderr)
-        assert (read is None) == (previous is None), stop
+    parts = ((4, "train_mp.py", 2, ("--pipeline_parallel", "2", "--tensor_parallel", "2", *sharded)),
+             (4, "train_mp.py", 4, ("--fsdp", "--context_parallel", "2", "--local_batch_size", "2", *sharded)),
+             (4, "train_mp.py", 6, ("--pipeline_parallel", "4", *sharded)), (1, "train.py", 8, ()))
+    fractions = []
+    for log, resumed in resumed_in_turn(era5_dir, tmp_path, serial, parts):
+        read = re.search(r"This rank read ([\d.]+) MB of the checkpoint's ([\d.]+) MB", log)
+        assert (read is not None) == resumed
         fractions += [float(read.group(1)) / float(read.group(2))] if read else []
-        previous, start = os.path.join(run_dir, "checkpoints", "ckpt.pt"), stop
-    assert_same_run((points, checkpoint), serial, after_step=6)
     assert fractions[1] < 0.45 and fractions[2] == pytest.approx(1.0), fractions  # stage 0 of 4; train.py: all
 
 
