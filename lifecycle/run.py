@@ -251,7 +251,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
     if index is not None:
         state["shards"] = index
     store.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
-    if index is not None and run.rank == 0:  # the shards of earlier saves that neither checkpoint names
+    if run.rank == 0:  # the shards of earlier (sharded) saves that neither checkpoint names
         shards.remove_unnamed(run.checkpoint_path, previous_path(run.checkpoint_path))
     peers.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")

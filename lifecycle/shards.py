@@ -20,6 +20,7 @@ the overlaps copied in. train.py and other serial loads ask for whole tensors. E
 (weights_only), the index included.
 """
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping
@@ -120,8 +121,11 @@ def write(checkpoint_path, to_write, iteration):
 
 def remove_unnamed(checkpoint_path, previous_path):
     """Rank 0, after the checkpoint file was written: remove the shard folders that neither it nor the previous
-    checkpoint names (earlier saves, and saves a crash cut short). A previous checkpoint that cannot be read keeps
-    every folder."""
+    checkpoint names (earlier saves, and saves a crash cut short), and the shards folder once it is empty. A previous
+    checkpoint that cannot be read keeps every folder."""
+    parent = shards_folder(checkpoint_path)
+    if not os.path.isdir(parent):  # no sharded save here (the checkpoint files are not read)
+        return
     named = set()
     for path in (checkpoint_path, previous_path):
         if not os.path.exists(path):
@@ -132,10 +136,11 @@ def remove_unnamed(checkpoint_path, previous_path):
             return
         if isinstance(checkpoint, dict) and isinstance(checkpoint.get("shards"), dict):
             named.add(checkpoint["shards"].get("folder"))
-    parent = shards_folder(checkpoint_path)
-    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+    for name in sorted(os.listdir(parent)):
         if name not in named:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if not os.listdir(parent):
+        os.rmdir(parent)
 
 
 class Shards:
@@ -144,10 +149,15 @@ class Shards:
     read once and its digest checked. `bytes_read`: the bytes of the pieces read so far."""
 
     def __init__(self, checkpoint_path, index):
-        self.path, self.folder = checkpoint_path, shards_folder(checkpoint_path, index["folder"])
-        self.index = index
+        self.path, self.index = checkpoint_path, index
+        if not re.fullmatch(r"it\d+-[0-9a-f]+", str(index.get("folder"))):  # never a path outside shards/
+            raise self._foreign(f"the folder {index.get('folder')!r}")
+        self.folder = shards_folder(checkpoint_path, index["folder"])
         self.by_key = {}
         for key, shape, offsets, lengths, dtype, digest, file, slot in index["pieces"]:
+            if not re.fullmatch(r"rank\d+\.pt", str(file)) or not isinstance(getattr(torch, str(dtype), None),
+                                                                            torch.dtype):
+                raise self._foreign(f"a piece in {file!r} of dtype {dtype!r}")
             self.by_key.setdefault(key, []).append((shape, offsets, lengths, dtype, digest, file, slot))
         self.files, self.checked, self.bytes_read = {}, {}, 0
 
@@ -181,6 +191,13 @@ class Shards:
         self.bytes_read += tensor.nbytes
         self.checked[file, slot] = tensor
         return tensor
+
+    def _foreign(self, what):
+        damaged = DamagedCheckpoint(f"checkpoint '{self.path}' names {what}, which no sharded save writes: it is "
+                                    f"damaged or not this repository's; move '{self.path}' aside to resume from the "
+                                    "previous checkpoint, or start a new --run_num")
+        damaged.reason = "a foreign index"
+        return damaged
 
     def _damaged(self, path, reason):
         damaged = DamagedCheckpoint(f"checkpoint '{self.path}': its shard '{path}' cannot be read ({reason}); move "

@@ -5,6 +5,7 @@ no checkpoint names them. The end-to-end resumes across layouts and the kill -9:
 """
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -120,6 +121,21 @@ def test_a_missing_or_foreign_shard_file_is_refused_and_nothing_in_it_runs(tmp_p
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("folder", "../../elsewhere", "names the folder '../../elsewhere'"),
+    ("file", "../ckpt.pt", "names a piece in '../ckpt.pt'"),
+    ("dtype", "load", "of dtype 'load'")])
+def test_an_index_naming_anything_outside_its_shards_folder_is_refused(tmp_path, field, value, words):
+    path, index, _ = saved(tmp_path, two_halves(torch.randn(8, 6)))
+    if field == "folder":
+        index = {**index, "folder": value}
+    else:
+        column = {"file": 6, "dtype": 4}[field]
+        index = {**index, "pieces": [[*entry[:column], value, *entry[column + 1:]] for entry in index["pieces"]]}
+    with pytest.raises(DamagedCheckpoint, match=re.escape(words) + r".*, which no sharded save writes"):
+        shards.Shards(path, index)
+
+
 class Calls:
     def __init__(self, path):
         self.path = path
@@ -151,6 +167,10 @@ def test_folders_no_checkpoint_names_are_removed(tmp_path):
     extra = shards.write(path, shards.ToWrite(two_halves(torch.randn(8, 6)), {}), 4)["folder"]
     shards.remove_unnamed(path, previous)
     assert sorted(os.listdir(shards.shards_folder(path))) == [*names[1:], extra]
+    torch.save({"model": {}}, path)  # serial saves since: no folder is named, and the emptied shards folder goes
+    torch.save({"model": {}}, previous)
+    shards.remove_unnamed(path, previous)
+    assert not os.path.exists(shards.shards_folder(path))
 
 
 def test_a_serial_load_reads_whole_tensors_and_the_optimizer_state(tmp_path):
