@@ -68,7 +68,7 @@ $(COMPAT_VENV)/.installed: requirements.txt
 	touch $@
 
 test-compat: install-compat
-	$(COMPAT_PY) -m pytest -q -m "compat and not long" tests
+	$(COMPAT_PY) -m pytest -q -n 2 --dist loadgroup -m "compat and not long" tests
 
 # the long runs of that subset on torch 2.5 (3.7 minutes on 2 cores, 2026-11-29); CI runs them last
 test-compat-long: install-compat

@@ -57,9 +57,9 @@ def test_a_gloo_worker_that_finishes_its_work_during_the_teardown_does_not_hang_
     nothing), and runs in the compat run (torch 2.5)."""
     script = tmp_path / "rank.py"
     script.write_text(LATE_WORKER.format(root=REPO_ROOT, switched_off=switched_off))
-    if switched_off:  # torch < 2.8 (skipped on later ones)
+    if switched_off:  # torch < 2.8 (skipped on later ones); both ranks leave within 5 s with the fix on, 10 loaded
         with pytest.raises(subprocess.TimeoutExpired):
-            run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=60)
+            run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=30)
         rank0 = (tmp_path / "rank0.log").read_text()
         assert "leaving" in rank0 and "left" not in rank0, rank0[-3000:]  # in the teardown, for good
         return
