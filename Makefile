@@ -56,7 +56,7 @@ test-fast: lint
 	$(PY) -m pytest -q -m "not multiprocess" tests
 
 # the tutorial container's PyTorch (nersc/pytorch:24.08.01: torch 2.5, Python 3.10) in a second venv, and the
-# compatibility subset of the tests on it (tests marked `compat`; see docs/testing.md)
+# compatibility subset of the tests on it (tests marked `compat`; see docs/testing.md), in two pytest processes
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_TORCH := torch==2.5.1 torchvision==0.20.1

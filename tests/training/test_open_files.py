@@ -78,6 +78,7 @@ def test_twin_without_the_raise_rank_0_aborts_on_too_many_open_files(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long  # in make test: the refusal on every rank, in one process (below)
 def test_a_hard_limit_below_rank_0s_need_stops_every_rank_in_one_line(tmp_path):
     codes, outputs, _ = run_ranks(tmp_path, soft=30, hard=30)
     assert codes == [2, 2, 2, 2], outputs

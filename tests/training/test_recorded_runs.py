@@ -131,6 +131,7 @@ def same_bits(run, other):
 
 @needs_avx512
 @pytest.mark.multiprocess
+@pytest.mark.long  # the claim in make test: the ViT's recorded run, recorded on another CPU, reproduced here
 def test_pinned_kernels_give_the_same_bits_for_avx2_and_avx512_code_paths(stage_data, tmp_path):
     """The pinning overrides what the environment asks for: with the AVX2 or the AVX512 code paths of ATen, oneDNN
     and MKL asked for, and 1 or 2 threads, pinned_run.py's runs end with the same points and weights, bit for bit."""
@@ -140,6 +141,7 @@ def test_pinned_kernels_give_the_same_bits_for_avx2_and_avx512_code_paths(stage_
 
 @needs_avx512
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_unpinned_kernels_give_other_numbers_for_avx2_and_avx512_code_paths(stage_data, tmp_path):
     """Twin: the same two runs without the pinning end with other weights (after the one step, about 90 of the 102
     tensors differ in their last bits; the points happen to agree this early, at 6 steps the losses move by 0.2-0.4%):
