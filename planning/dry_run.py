@@ -36,6 +36,7 @@ from utils.errors import UserError, error_line, register_cleanup
 from utils.layout import dry_run_refusal
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "saved_activations")  # what a CPU's peak sums
 GPU_SYSTEMS = {"H100": "H100-SXM", "H200": "H200", "A100-SXM4-80GB": "A100-80GB", "A100": "A100-40GB"}
 
 
@@ -90,7 +91,7 @@ def predicted(params, layout, device, ddp=True, stage=0):
              "optimizer_state": memory["optimizer_state"], "saved_activations": memory["saved_activations"],
              "step_time_s": None, "system": system_of(device)}
     found["peak_memory_gb"] = (memory["peak"] if device.type == "cuda" else sum(
-        found[key] for key in ("parameters", "gradients", "optimizer_state", "saved_activations"))) / perf_model.GIB
+        found[key] for key in MEMORY_KINDS)) / perf_model.GIB
     if found["system"] and layout.pp == 1:  # a stage's step waits on the others': the planner's pipeline rows
         system = perf_model.SYSTEMS[found["system"]]
         amp_mode = params.amp_mode if params.amp_enabled else "none"
@@ -121,7 +122,8 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
     if device.type == "cuda":
         peak_gb, peak_is = torch.cuda.max_memory_allocated(device) / perf_model.GIB, "the allocator's high watermark"
     else:
-        peak_gb, peak_is = sum(memory.values()) / perf_model.GIB, "the sum of this rank's tensors above"
+        peak_gb = sum(memory[kind] for kind in MEMORY_KINDS) / perf_model.GIB
+        peak_is = "the sum of this rank's tensors above"
     result = {"dry_run": True, "rank": comm.get_world_rank(), "world_size": layout.world_size,
               "layout": {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp, "order": layout.order,
                          "flags": layout.flags()},
