@@ -96,15 +96,16 @@ def box(model, name, tensor):
     return serial_name(model, name), shape, offsets, local
 
 
-def checkpoint_states(model, optimizer, checkpoint_format="auto", boxes_only=False):
-    """(model state, optimizer state) for lifecycle/run.save: the serial ones, gathered (serial_state_dict,
-    serial_optimizer_state), or, with `checkpoint_format` "sharded" (or "auto" and a model of shards.SHARD_ABOVE
-    parameters or more), this rank's boxes of both (a shards.ToWrite), which it writes itself. `boxes_only` (a dry
-    run's count): (None, None) instead of gathering the serial states."""
-    sharded = checkpoint_format == "sharded" or (
+def writes_sharded(model, checkpoint_format="auto"):
+    """Whether `checkpoint_format` ("auto", "serial", "sharded") asks for a sharded checkpoint: "sharded", or "auto"
+    and a model of shards.SHARD_ABOVE parameters or more (its serial count, parallelize's `serial_numel`)."""
+    return checkpoint_format == "sharded" or (
         checkpoint_format == "auto" and getattr(model, "serial_numel", 0) >= shards.SHARD_ABOVE)
-    if not sharded:
-        return (None, None) if boxes_only else (serial_state_dict(model), serial_optimizer_state(model, optimizer))
+
+
+def own_parts(model, optimizer):
+    """This rank's boxes of the model's and the optimizer's tensors, with rank 0's param_groups and the serial
+    parameter names in the optimizer's order: what it writes of a sharded checkpoint (a shards.ToWrite)."""
     boxes = []
     for name, tensor in model.state_dict().items():
         key, shape, offsets, local = box(model, name, tensor.detach())
@@ -120,7 +121,16 @@ def checkpoint_states(model, optimizer, checkpoint_format="auto", boxes_only=Fal
                 boxes.append(shards.Box(f"optimizer/{key}/{slot}", [], [], value))
     order = getattr(model, "serial_parameter_names", None) or [serial_name(model, name) for name in parameters]
     groups = [{**group, "params": list(range(len(order)))} for group in optimizer.state_dict()["param_groups"]]
-    return shards.ToWrite(boxes, {"order": order, "param_groups": groups}), None
+    return shards.ToWrite(boxes, {"order": order, "param_groups": groups})
+
+
+def checkpoint_states(model, optimizer, checkpoint_format="auto"):
+    """(model state, optimizer state) for lifecycle/run.save: the serial ones, gathered (serial_state_dict,
+    serial_optimizer_state), or, for a sharded checkpoint (writes_sharded), this rank's own parts of both, which it
+    writes itself (own_parts, None)."""
+    if writes_sharded(model, checkpoint_format):
+        return own_parts(model, optimizer), None
+    return serial_state_dict(model), serial_optimizer_state(model, optimizer)
 
 
 def _load_boxes(model, state, path):

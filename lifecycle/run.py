@@ -252,7 +252,7 @@ def save(run, model_state, optimizer_state, scheduler, scaler, iters, meter):
         state["shards"] = index
     store.on_rank0(lambda: save_checkpoint(run.checkpoint_path, state))
     if run.rank == 0:  # the shards of earlier (sharded) saves that neither checkpoint names
-        shards.remove_unnamed(run.checkpoint_path, previous_path(run.checkpoint_path))
+        shards.remove_unnamed(run.checkpoint_path, previous_path(run.checkpoint_path), index and index["folder"])
     peers.note_checkpoint(run.checkpoint_path, iters)  # what a rank that loses a peer says the job resumes from
     logging.info(f"Checkpoint of iteration {iters} written in {time.time() - start:.1f} s")
     if signals.stopped_by():  # the stop's checkpoint: a signal from now on is ignored (signals.ending)

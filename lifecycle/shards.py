@@ -119,23 +119,21 @@ def write(checkpoint_path, to_write, iteration):
             **to_write.meta}
 
 
-def remove_unnamed(checkpoint_path, previous_path):
-    """Rank 0, after the checkpoint file was written: remove the shard folders that neither it nor the previous
-    checkpoint names (earlier saves, and saves a crash cut short), and the shards folder once it is empty. A previous
-    checkpoint that cannot be read keeps every folder."""
+def remove_unnamed(checkpoint_path, previous_path, current=None):
+    """Rank 0, after the checkpoint file was written (its shard folder `current`, None for a serial save): remove the
+    shard folders that neither it nor the previous checkpoint names (earlier saves, and saves a crash cut short), and
+    the shards folder once it is empty. A previous checkpoint that cannot be read keeps every folder."""
     parent = shards_folder(checkpoint_path)
-    if not os.path.isdir(parent):  # no sharded save here (the checkpoint files are not read)
+    if not os.path.isdir(parent):  # no sharded save here (no checkpoint file is read)
         return
-    named = set()
-    for path in (checkpoint_path, previous_path):
-        if not os.path.exists(path):
-            continue
+    named = {current}
+    if os.path.exists(previous_path):
         try:
-            checkpoint = read_as_data(path)
+            previous = read_as_data(previous_path)
         except Exception:  # damaged: which folder it names is unknown, so none is removed
             return
-        if isinstance(checkpoint, dict) and isinstance(checkpoint.get("shards"), dict):
-            named.add(checkpoint["shards"].get("folder"))
+        if isinstance(previous, dict) and isinstance(previous.get("shards"), dict):
+            named.add(previous["shards"].get("folder"))
     for name in sorted(os.listdir(parent)):
         if name not in named:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
@@ -162,7 +160,7 @@ class Shards:
         self.files, self.checked, self.bytes_read = {}, {}, 0
 
     def total_bytes(self):
-        return sum(torch.Size(lengths).numel() * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        return sum(torch.Size(lengths).numel() * getattr(torch, dtype).itemsize
                    for _, _, _, lengths, dtype, _, _, _ in self.index["pieces"])
 
     def describe_read(self):

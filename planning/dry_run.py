@@ -153,21 +153,29 @@ def stage_memory(pipe, inp, optimizer):
     return memory
 
 
+def serial_model(model):
+    """The serial model a rank's wrapped `model` runs (the model checkpoints hold): inside a Pipeline, under
+    torch.compile, inside DDP."""
+    if isinstance(model, Pipeline):
+        return model.raw[0]
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
 def save_memory(model, optimizer, checkpoint_format):
     """The host bytes this rank fills to save a checkpoint, from its tensors: the serial format gathers the whole
     model and its Adam moments on every rank (the serial shapes of every stage's tensors); the sharded one copies
     this rank's own boxes (lifecycle/shards.py; less where a lower rank holds the same box)."""
-    raw = getattr(model, "raw", [None])[0] or getattr(getattr(model, "_orig_mod", model), "module", model)
-    raw = getattr(raw, "_orig_mod", raw)
-    states, _ = serial_state.checkpoint_states(raw, optimizer, checkpoint_format, boxes_only=True)
-    if states is None:
-        slots = {slot for state in optimizer.state.values() for slot, value in state.items()
-                 if torch.is_tensor(value) and value.dim()}
-        serial = raw.serial_numel * next(raw.parameters()).element_size() * (1 + len(slots))
-        return {"format": "serial", "host_bytes": serial,
-                "is": "the whole serial model and its optimizer state, gathered on every rank"}
-    return {"format": "sharded", "host_bytes": sum(box.tensor.nbytes for box in states.boxes),
-            "is": "this rank's own parts of the model and its optimizer state"}
+    raw = serial_model(model)
+    if serial_state.writes_sharded(raw, checkpoint_format):
+        return {"format": "sharded", "host_bytes": sum(box.tensor.nbytes for box in
+                                                       serial_state.own_parts(raw, optimizer).boxes),
+                "is": "this rank's own parts of the model and its optimizer state"}
+    slots = {slot for state in optimizer.state.values() for slot, value in state.items()
+             if torch.is_tensor(value) and value.dim()}
+    serial = raw.serial_numel * next(raw.parameters()).element_size() * (1 + len(slots))
+    return {"format": "serial", "host_bytes": serial,
+            "is": "the whole serial model and its optimizer state, gathered on every rank"}
 
 
 def table(result):

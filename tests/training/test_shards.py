@@ -161,11 +161,11 @@ def test_folders_no_checkpoint_names_are_removed(tmp_path):
     names = [shards.write(path, shards.ToWrite(two_halves(torch.randn(8, 6)), {}), i)["folder"] for i in (1, 2, 3)]
     torch.save({"shards": {"folder": names[1]}}, previous)
     torch.save({"shards": {"folder": names[2]}}, path)
-    shards.remove_unnamed(path, previous)
+    shards.remove_unnamed(path, previous, names[2])
     assert sorted(os.listdir(shards.shards_folder(path))) == names[1:]
     open(previous, "wb").write(b"garbage")  # which folder a damaged previous names is unknown: none is removed
     extra = shards.write(path, shards.ToWrite(two_halves(torch.randn(8, 6)), {}), 4)["folder"]
-    shards.remove_unnamed(path, previous)
+    shards.remove_unnamed(path, previous, names[2])
     assert sorted(os.listdir(shards.shards_folder(path))) == [*names[1:], extra]
     torch.save({"model": {}}, path)  # serial saves since: no folder is named, and the emptied shards folder goes
     torch.save({"model": {}}, previous)
