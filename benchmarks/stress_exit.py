@@ -10,12 +10,13 @@ Two loops, on this machine's CPUs over gloo (`make stress-exit` runs both on the
              `--cycle_timeout` s after its start is a hang, and so is a rank still alive once torchrun has ended
              (torchrun starts each rank in a session of its own: a hung rank outlives it). Hung ranks are killed.
   teardowns  4 plain ranks, started once, that `--teardowns` times join a process group, build the tp x cp groups,
-             train a few DDP steps and run collectives on every group, pass a barrier and leave the process group
-             (utils/comm.destroy): the end of a run without the imports and the model, a third of a second a
-             cycle, so it meets the race far more often per minute. A rank silent for `--stall` s is hung; the
-             ranks are then killed and started again, until `--teardowns` cycles have been tried.
+             train a few DDP steps and run collectives on every group, pass a barrier, leave the process group
+             (utils/comm.destroy) and drop the model and the grid: the end of a run without the imports, a third
+             of a second a cycle, so it meets the race far more often per minute. A rank silent for `--stall` s is
+             hung; the ranks are then killed and started again, until `--teardowns` cycles have been tried.
 With --switched_off the ranks leave as before the fix: dist.destroy_process_group() with each backend torn down
-inside it, under the GIL on torch < 2.8 (utils/compat.leave_process_group says why that hangs).
+inside it, under the GIL on torch < 2.8 (utils/compat.leave_process_group says why that hangs), and the grid's Axes
+keeping their groups past it (utils/comm.forget_groups).
 The JSON: per loop the cycles tried and hung, the exit codes and times; torch's version. Exit code 1 if any hung.
 """
 import os
@@ -37,9 +38,12 @@ RUN_FLAGS = ["--config", "tiny", "--data_loader_config", "synthetic", "--tensor_
 
 
 def switch_off():
-    """The fix switched off: every backend goes inside dist.destroy_process_group(), as before."""
+    """The fix switched off: every backend goes inside dist.destroy_process_group(), and the grid's Axes keep their
+    groups past it, as before."""
     from utils import compat
+    from utils.layout import Axis
     compat._backends = lambda: []
+    Axis.let_go = lambda self: None
 
 
 def processes_with(marker):
@@ -126,7 +130,7 @@ def teardown_rank(cycles, switched_off):
             host.HostMax(0).wait()
         comm.barrier()
         comm.destroy()
-        del model
+        del model, grid  # as at a run's end: the model and the grid go after the teardown
         print(cycle, flush=True)
     store.set(f"done/{rank}", "1")  # rank 0 holds the store: it waits for the others before it exits
     if rank == 0:

@@ -124,7 +124,7 @@ class Pipeline(nn.Module):
         ranks = dist.get_process_group_ranks(pp.group) if pp.group is not None else [0]
         self.prev = ranks[self.s - 1] if self.s > 0 else None  # global ranks of the neighbouring stages
         self.next = ranks[self.s + 1] if self.s < self.P - 1 else None
-        self.last_rank, self.group, self.dtype = ranks[-1], pp.group, dtype
+        self.last_rank, self.pp_axis, self.dtype = ranks[-1], pp, dtype  # the Axis (comm.destroy lets go of its group)
         self.in_flight = 0  # microbatches whose activations this stage holds now, and the most in the last step
         self.peak_in_flight = 0
         self.fsdp = layout.fsdp
@@ -141,9 +141,9 @@ class Pipeline(nn.Module):
         """Post the sends [(tensor, rank)] and receives [(shape, rank)] together and wait for all (posted as one
         batch: NCCL would deadlock on a send and a receive between the same two ranks posted one after the other).
         Returns the received tensors."""
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group) for tensor, peer in sends]
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_axis.group) for tensor, peer in sends]
         got = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape, _ in receives]
-        ops += [dist.P2POp(dist.irecv, tensor, peer, self.group) for tensor, (_, peer) in zip(got, receives)]
+        ops += [dist.P2POp(dist.irecv, tensor, peer, self.pp_axis.group) for tensor, (_, peer) in zip(got, receives)]
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
@@ -231,8 +231,8 @@ class Pipeline(nn.Module):
 
     def _from_last(self, tensor):
         """`tensor` as the last stage holds it, on every stage (same shape and dtype everywhere)."""
-        if self.group is not None:
-            dist.broadcast(tensor, src=self.last_rank, group=self.group)
+        if self.pp_axis.group is not None:
+            dist.broadcast(tensor, src=self.last_rank, group=self.pp_axis.group)
         return tensor
 
     def forward(self, inp):

@@ -194,7 +194,11 @@ def all_reduce_min(tensor):
 
 def forget_groups():
     """Drop the named groups and the host's group (destroy, or a rank leaving the job on a failure:
-    resilience/peers.py)."""
+    resilience/peers.py). Each Axis lets go of its process group, so the grid and the model's layers, which hold the
+    same Axes, keep none alive: on torch 2.5 a group destroyed later, with the GIL held, can hang the rank for good
+    (utils/compat.leave_process_group says why)."""
+    for axis in _groups.values():
+        axis.let_go()
     _groups.clear()
     _joined.pop("host", None)
 

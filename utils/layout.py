@@ -56,6 +56,11 @@ class Axis:
     def __deepcopy__(self, memo):
         return self  # a process group is a handle to share, not state: a deep copy of a model keeps its groups
 
+    def let_go(self):
+        """Drop the process group (the run leaves it: utils/comm.forget_groups); size and rank stay. Whatever holds
+        this Axis (the grid, the model's layers) then keeps no group alive past the teardown."""
+        object.__setattr__(self, "group", None)
+
 
 GROUP_SIZES = {"tp": lambda layout: layout.tp, "cp": lambda layout: layout.cp, "dp": lambda layout: layout.dp,
                "tp-cp": lambda layout: layout.tp * layout.cp, "dp-cp": lambda layout: layout.dp * layout.cp,

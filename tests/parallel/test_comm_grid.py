@@ -155,6 +155,26 @@ def _report_groups(rank, port, results):
     comm.destroy()
 
 
+@pytest.mark.compat  # the container's torch 2.5 is the one whose teardown hung
+def test_destroy_has_the_grid_s_axes_let_go_of_their_groups():
+    """After comm.destroy the Axes comm.init handed down (the very objects the model's layers hold) keep their size
+    and rank but hold no process group: a group they still held went later, with the grid, and on torch 2.5 its
+    teardown under the GIL could hang the rank (tests/training/test_run_exit.py, with the process groups' threads).
+    Four ranks of torch's fake process group, this one rank 1. A failure points to utils/comm.forget_groups or
+    utils/layout.Axis.let_go."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        grid = comm.init({"tp": 2, "cp": 2})
+        before = {name: (axis.size, axis.rank, axis.group is not None) for name, axis in grid.axes.items()}
+    finally:
+        comm.destroy()
+    assert not dist.is_initialized() and before["tp"] == (2, 1, True) and before["tp-cp"] == (4, 1, True), before
+    after = {name: (axis.size, axis.rank, axis.group is not None) for name, axis in grid.axes.items()}
+    assert after == {name: (size, rank, False) for name, (size, rank, _) in before.items()}, after
+
+
 @pytest.mark.multiprocess
 @pytest.mark.long
 def test_init_builds_the_groups_of_each_order():

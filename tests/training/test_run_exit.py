@@ -2,10 +2,12 @@
 2.14. The hang: on torch < 2.8 a ProcessGroup is destroyed with the GIL held, and tearing gloo down joins its worker
 threads; a worker still finishing its last work then needs the GIL (to free a tensor Python let go of, or to run a
 future's Python callback), so destroy_process_group waited for good. utils/compat.leave_process_group tears each
-backend down without the GIL. The stress loop of the whole 4-rank run is `make stress-exit`
-(benchmarks/stress_exit.py), outside `make test`.
+backend down without the GIL, once utils/comm.forget_groups has had every Axis let go of its group (a group the grid
+or the model's layers still held was destroyed later, with the GIL). The stress loop of the whole 4-rank run is
+`make stress-exit` (benchmarks/stress_exit.py), outside `make test`.
 
-A failure points to utils/compat.leave_process_group (or _backends), or to benchmarks/stress_exit.py.
+A failure points to utils/compat.leave_process_group (or _backends), utils/comm.forget_groups (Axis.let_go), or to
+benchmarks/stress_exit.py.
 """
 import json
 import subprocess
@@ -27,10 +29,13 @@ sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 from utils import comm, compat
 from utils.layout import Axis
-if {switched_off}:
-    compat._backends = lambda: []  # the fix off: each backend goes inside destroy_process_group, as before
+if {off!r} == "backends":
+    compat._backends = lambda: []  # each backend goes inside destroy_process_group, as before the fix
+if {off!r} == "axes":
+    Axis.let_go = lambda self: None  # the Axis keeps its group past the teardown, as before the fix's second half
 dist.init_process_group("gloo", init_method="env://")
 comm._groups["tp"] = Axis("tp", 2, dist.get_rank(), dist.new_group([0, 1]))  # as comm.init keeps it
+axis = comm._groups["tp"]  # held past the teardown, as the grid and the model's layers hold it
 comm.barrier()
 if dist.get_rank() == 0:
     dist.all_reduce(torch.ones(1), group=comm.get_group("tp"), async_op=True)  # rank 1 joins it a second later
@@ -40,31 +45,40 @@ else:
     dist.all_reduce(torch.ones(1), group=comm.get_group("tp"))
 comm.destroy()
 print("left", flush=True)
+del axis  # the grid and the layers go after the teardown: with the fix, the group went inside it
+print("dropped", flush=True)
 """
 
 
-@pytest.mark.compat  # the container's torch 2.5 is the one that hung
-@pytest.mark.parametrize("switched_off", [False, pytest.param(True, marks=pytest.mark.skipif(
+ONLY_BEFORE_2_8 = pytest.mark.skipif(
     not TEARDOWN_KEEPS_GIL, reason=f"torch {torch.__version__} lets the GIL go in the teardown itself: with the fix "
-    "off both ranks leave, as with it on (the twin matters on torch < 2.8: the compat run's 2.5)"))])
-def test_a_gloo_worker_that_finishes_its_work_during_the_teardown_does_not_hang_it(tmp_path, switched_off):
+    "off both ranks leave, as with it on (the twin matters on torch < 2.8: the compat run's 2.5)")
+
+
+@pytest.mark.compat  # the container's torch 2.5 is the one that hung
+@pytest.mark.parametrize("off", ["", pytest.param("backends", marks=ONLY_BEFORE_2_8),
+                                 pytest.param("axes", marks=ONLY_BEFORE_2_8)])
+def test_a_gloo_worker_that_finishes_its_work_during_the_teardown_does_not_hang_it(tmp_path, off):
     """Rank 0 leaves the process group while its gloo worker still holds a collective (and a tensor Python has let go
     of) that rank 1 joins a second later: the worker finishes during the teardown and needs the GIL to free the
     tensor. A run's last collective leaves the worker in that state for a moment (just after the rank's wait has
-    returned), long enough under load. Both ranks leave. Twin, with every backend torn down inside
-    destroy_process_group as before: on torch < 2.8 rank 0 hangs for good. On torch 2.8 and later torch itself lets
-    the GIL go, the twin would leave too and assert what the test asserts: it is skipped there (two ranks for
-    nothing), and runs in the compat run (torch 2.5)."""
+    returned), long enough under load. The rank also holds the group's Axis past the teardown, as the grid and the
+    model's layers do, and drops it after. Both ranks leave and drop it. Twins, on torch < 2.8: every backend torn
+    down inside destroy_process_group as before, and rank 0 hangs for good there; the Axis keeping its group, and
+    rank 0 leaves but hangs for good where it drops the Axis (the group destroyed then, with the GIL held). On torch
+    2.8 and later torch itself lets the GIL go, the twins would pass as the test does: they are skipped there (two
+    ranks for nothing), and run in the compat run (torch 2.5)."""
     script = tmp_path / "rank.py"
-    script.write_text(LATE_WORKER.format(root=REPO_ROOT, switched_off=switched_off))
-    if switched_off:  # torch < 2.8 (skipped on later ones); both ranks leave within 5 s with the fix on, 10 loaded
+    script.write_text(LATE_WORKER.format(root=REPO_ROOT, off=off))
+    if off:  # torch < 2.8 (skipped on later ones); both ranks leave within 5 s with the fix on, 10 loaded
         with pytest.raises(subprocess.TimeoutExpired):
             run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=30)
         rank0 = (tmp_path / "rank0.log").read_text()
-        assert "leaving" in rank0 and "left" not in rank0, rank0[-3000:]  # in the teardown, for good
+        hung_in = {"backends": "leaving", "axes": "left"}[off]  # the last line it wrote: hung in the next step
+        assert rank0.rstrip().endswith(hung_in) and "dropped" not in rank0, rank0[-3000:]
         return
     codes, outputs, _ = run_plain_ranks([sys.executable, str(script)], 2, str(tmp_path), timeout=120)
-    assert codes == [0, 0] and all(output.rstrip().endswith("left") for output in outputs), outputs
+    assert codes == [0, 0] and all(output.rstrip().endswith("dropped") for output in outputs), outputs
 
 
 @pytest.mark.compat
