@@ -124,7 +124,7 @@ def main(argv=None):
     if layout.pp > 1:  # the stages run a schedule over microbatches instead (distributed/pipeline.py)
         train_step = pipeline.train_step(model, optimizer, scaler, loss_fn, autocast)
     if args.dry_run:  # one rank of the layout measured, the others stand-ins (planning/dry_run.py), not training
-        return dry_run.report(run, model, train_loader.first_batch(), to_device, train_step, optimizer, layout)
+        return dry_run.report(run, model, raw_model, train_loader.first_batch(), to_device, train_step, optimizer)
     flops_per_sample = train_flops_per_sample(get_model, params, sample_shape)
     peak = Peak(device, params.amp_dtype, convolutions=params.model != "vit")  # TF32 convolutions in fp32
     logging.info(f"Training FLOPs per sample: {flops_per_sample:.4g}; {peak.describe()}")

@@ -100,11 +100,12 @@ def predicted(params, layout, device, ddp=True, stage=0):
     return found
 
 
-def report(run, model, batch, to_device, train_step, optimizer, layout):
-    """Time `train_step` on one batch (a warm-up step, which allocates the gradients and Adam's moments, then
-    --dry_run_steps more, timed: 0 for memory only), measure this rank's memory, print a table and, last, one JSON
-    object; returns that object. Ends the run (finish_run: the process group goes)."""
-    params, device = run.params, run.device
+def report(run, model, raw_model, batch, to_device, train_step, optimizer):
+    """`model` as parallelize wrapped it, `raw_model` the serial model inside it (what checkpoints hold); the layout
+    is the run's grid's. Time `train_step` on one batch (a warm-up step, which allocates the gradients and Adam's
+    moments, then --dry_run_steps more, timed: 0 for memory only), measure this rank's memory, print a table and,
+    last, one JSON object; returns that object. Ends the run (finish_run: the process group goes)."""
+    params, device, layout = run.params, run.device, run.grid.layout
     set_train_mode(model, params)
     inp, tar = to_device(*batch)
     train_step(inp, tar)  # warm-up: gradients and optimizer state exist from here on
@@ -118,7 +119,7 @@ def report(run, model, batch, to_device, train_step, optimizer, layout):
     with torch.autocast(device.type, dtype=params.amp_dtype, enabled=params.amp_enabled):  # saved as in training
         memory = stage_memory(model, inp, optimizer) if isinstance(model, Pipeline) else model_memory(
             model, inp, optimizer)
-    saving = save_memory(model, optimizer, run.args.checkpoint_format)
+    saving = save_memory(raw_model, optimizer, run.args.checkpoint_format)
     if device.type == "cuda":
         peak_gb, peak_is = torch.cuda.max_memory_allocated(device) / perf_model.GIB, "the allocator's high watermark"
     else:
@@ -153,20 +154,10 @@ def stage_memory(pipe, inp, optimizer):
     return memory
 
 
-def serial_model(model):
-    """The serial model a rank's wrapped `model` runs (the model checkpoints hold): inside a Pipeline, under
-    torch.compile, inside DDP."""
-    if isinstance(model, Pipeline):
-        return model.raw[0]
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
-
-
-def save_memory(model, optimizer, checkpoint_format):
+def save_memory(raw, optimizer, checkpoint_format):
     """The host bytes this rank fills to save a checkpoint, from its tensors: the serial format gathers the whole
     model and its Adam moments on every rank (the serial shapes of every stage's tensors); the sharded one copies
     this rank's own boxes (lifecycle/shards.py; less where a lower rank holds the same box)."""
-    raw = serial_model(model)
     if serial_state.writes_sharded(raw, checkpoint_format):
         return {"format": "sharded", "host_bytes": sum(box.tensor.nbytes for box in
                                                        serial_state.own_parts(raw, optimizer).boxes),
